@@ -1,0 +1,106 @@
+"""Stand-in for ``npu_rms_norm`` / ``npu_rms_norm_backward`` (torch_npu 2.13.0).
+
+Semantics (torch_npu 2.13.0 ``_op_plugin_docs.py``; ``shared/reference/npu-op-contracts.md``):
+``rstd = 1/sqrt(mean(x^2 over the trailing gamma.dim() dims) + eps)``, ``y = x * rstd * gamma``,
+computed in fp32 and rounded once to x's dtype. ``rstd`` is fp32 with shape
+``x.shape[:-gamma.dim()] + (1,) * gamma.dim()``. Backward: ``dx`` in x's dtype, ``dgamma`` always fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+RMS_NORM_SCHEMA = "npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)"
+RMS_NORM_BACKWARD_SCHEMA = (
+    "npu_rms_norm_backward(Tensor dy, Tensor self, Tensor gamma, Tensor rstd) -> (Tensor, Tensor)"
+)
+
+#: (x dtype, gamma dtype) pairs the kernel supports on Atlas A2/A3 (torch_npu 2.13.0 docs).
+SUPPORTED_DTYPES = frozenset(
+    {
+        (torch.float16, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float32),
+    }
+)
+
+
+def _norm_dims(gamma: torch.Tensor) -> tuple[int, ...]:
+    return tuple(range(-gamma.dim(), 0))
+
+
+def _rstd_shape(x: torch.Tensor, gamma: torch.Tensor) -> list:
+    return [*x.shape[: x.dim() - gamma.dim()], *([1] * gamma.dim())]
+
+
+def _check(x: torch.Tensor, gamma: torch.Tensor) -> None:
+    if (x.dtype, gamma.dtype) not in SUPPORTED_DTYPES:
+        raise RuntimeError(f"npu_rms_norm: unsupported dtypes (x={x.dtype}, gamma={gamma.dtype})")
+    if tuple(x.shape[x.dim() - gamma.dim() :]) != tuple(gamma.shape):
+        raise RuntimeError(f"npu_rms_norm: gamma shape {tuple(gamma.shape)} != trailing x shape {tuple(x.shape)}")
+
+
+def reference_rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6):
+    """CPU reference of ``npu_rms_norm``.
+
+    Args:
+        x: ``[..., *gamma.shape]``, fp16/bf16/fp32.
+        gamma: the weight, fp32 or x's dtype.
+        epsilon: added to the mean square.
+
+    Returns:
+        ``(y, rstd)``: y like x; rstd fp32 of shape ``x.shape[:-gamma.dim()] + (1,)*gamma.dim()``.
+
+    Raises:
+        RuntimeError: a dtype pair outside :data:`SUPPORTED_DTYPES` or a gamma shape mismatch.
+    """
+    _check(x, gamma)
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(_norm_dims(gamma), keepdim=True) + epsilon)
+    y = (xf * rstd * gamma.float()).to(x.dtype)
+    return y, rstd
+
+
+def reference_rms_norm_backward(dy, x, gamma, rstd):
+    """CPU reference of ``npu_rms_norm_backward``: returns ``(dx in x's dtype, dgamma fp32)``."""
+    dims = _norm_dims(gamma)
+    xhat = x.float() * rstd
+    dxhat = dy.float() * gamma.float()
+    dx = rstd * (dxhat - xhat * (dxhat * xhat).mean(dims, keepdim=True))
+    lead = tuple(range(x.dim() - gamma.dim()))
+    dgamma = (dy.float() * xhat).sum(lead) if lead else dy.float() * xhat
+    return dx.to(x.dtype), dgamma.reshape(gamma.shape)
+
+
+def _fake_rms_norm(x, gamma, epsilon=1e-6):
+    _check(x, gamma)
+    return torch.empty_like(x), x.new_empty(_rstd_shape(x, gamma), dtype=torch.float32)
+
+
+def _fake_rms_norm_backward(dy, x, gamma, rstd):
+    return torch.empty_like(x), gamma.new_empty(gamma.shape, dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    x, gamma, _ = inputs
+    ctx.save_for_backward(x, gamma, output[1])
+
+
+def _backward(ctx, grad_y, grad_rstd):
+    x, gamma, rstd = ctx.saved_tensors
+    dx, dgamma = torch.ops.npu.npu_rms_norm_backward.default(grad_y, x, gamma, rstd)
+    # dgamma is fp32 by contract; autograd needs it in gamma's dtype.
+    return dx, dgamma.to(gamma.dtype), None
+
+
+def register(lib: torch.library.Library) -> None:
+    """Define both ops in ``lib`` (the ``npu`` namespace) with kernels, fakes and autograd."""
+    lib.define(RMS_NORM_SCHEMA)
+    lib.define(RMS_NORM_BACKWARD_SCHEMA)
+    lib.impl("npu_rms_norm", reference_rms_norm, "CompositeExplicitAutograd")
+    lib.impl("npu_rms_norm_backward", reference_rms_norm_backward, "CompositeExplicitAutograd")
+    torch.library.register_fake("npu::npu_rms_norm", _fake_rms_norm, lib=lib)
+    torch.library.register_fake("npu::npu_rms_norm_backward", _fake_rms_norm_backward, lib=lib)
+    torch.library.register_autograd("npu::npu_rms_norm", _backward, setup_context=_setup_context, lib=lib)

@@ -1,0 +1,15 @@
+"""Registers the simulated stand-ins for every op in ``EMITTED_OPS`` (import for the side effect).
+
+Only :func:`qwen_npu_compile.npu_ops.ensure_npu_ops` imports this module, and only when torch_npu is
+absent. One ``torch.library.Library("npu", "FRAGMENT")`` holds all registrations; it must stay alive for
+the lifetime of the process.
+"""
+
+import torch
+
+from . import fusion_attention, rms_norm, rotary_mul, swiglu
+
+LIBRARY = torch.library.Library("npu", "FRAGMENT")
+
+for _module in (rms_norm, swiglu, rotary_mul, fusion_attention):
+    _module.register(LIBRARY)

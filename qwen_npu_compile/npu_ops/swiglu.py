@@ -1,0 +1,82 @@
+"""Stand-in for ``npu_swiglu`` / ``npu_swiglu_backward`` (torch_npu 2.13.0).
+
+Semantics (torch_npu 2.13.0 ``_op_plugin_docs.py``): split ``self`` along ``dim`` into halves A (first)
+and B (second); ``out = silu(A) * B``, computed in fp32 and rounded once. The size along ``dim`` must be
+even and **non-contiguous input is not supported** (the stand-in raises, so that a rewrite that feeds
+one is caught on a CPU too).
+"""
+
+from __future__ import annotations
+
+import torch
+
+SWIGLU_SCHEMA = "npu_swiglu(Tensor self, int dim=-1) -> Tensor"
+SWIGLU_BACKWARD_SCHEMA = "npu_swiglu_backward(Tensor grad_output, Tensor self, int dim=-1) -> Tensor"
+
+
+def _check(x: torch.Tensor, dim: int) -> None:
+    if x.shape[dim] % 2 != 0:
+        raise RuntimeError(f"npu_swiglu: size {x.shape[dim]} along dim {dim} must be even")
+    if not x.is_contiguous():
+        raise RuntimeError("npu_swiglu: non-contiguous input is not supported (torch_npu 2.13.0 docs)")
+
+
+def reference_swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """CPU reference of ``npu_swiglu``.
+
+    Args:
+        x: any shape, even size along ``dim``, contiguous; fp16/bf16/fp32.
+        dim: the split dimension.
+
+    Returns:
+        ``silu(A) * B`` with A, B = ``x.chunk(2, dim)``, in x's dtype, half the size along ``dim``.
+
+    Raises:
+        RuntimeError: odd size along ``dim`` or non-contiguous ``x``.
+    """
+    _check(x, dim)
+    a, b = x.float().chunk(2, dim)
+    return (torch.nn.functional.silu(a) * b).to(x.dtype)
+
+
+def reference_swiglu_backward(grad_output: torch.Tensor, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """CPU reference of ``npu_swiglu_backward``: the gradient w.r.t. ``x`` (x's shape and dtype)."""
+    a, b = x.float().chunk(2, dim)
+    g = grad_output.float()
+    sig = torch.sigmoid(a)
+    da = g * b * sig * (1 + a * (1 - sig))
+    db = g * a * sig
+    return torch.cat([da, db], dim).to(x.dtype)
+
+
+def _fake_swiglu(x, dim=-1):
+    _check(x, dim)
+    shape = list(x.shape)
+    shape[dim] //= 2
+    return x.new_empty(shape)
+
+
+def _fake_swiglu_backward(grad_output, x, dim=-1):
+    return torch.empty_like(x)
+
+
+def _setup_context(ctx, inputs, output):
+    x, dim = inputs
+    ctx.save_for_backward(x)
+    ctx.dim = dim
+
+
+def _backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return torch.ops.npu.npu_swiglu_backward.default(grad, x, ctx.dim), None
+
+
+def register(lib: torch.library.Library) -> None:
+    """Define both ops in ``lib`` (the ``npu`` namespace) with kernels, fakes and autograd."""
+    lib.define(SWIGLU_SCHEMA)
+    lib.define(SWIGLU_BACKWARD_SCHEMA)
+    lib.impl("npu_swiglu", reference_swiglu, "CompositeExplicitAutograd")
+    lib.impl("npu_swiglu_backward", reference_swiglu_backward, "CompositeExplicitAutograd")
+    torch.library.register_fake("npu::npu_swiglu", _fake_swiglu, lib=lib)
+    torch.library.register_fake("npu::npu_swiglu_backward", _fake_swiglu_backward, lib=lib)
+    torch.library.register_autograd("npu::npu_swiglu", _backward, setup_context=_setup_context, lib=lib)

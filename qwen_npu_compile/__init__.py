@@ -1,0 +1,20 @@
+"""qwen_npu_compile: a ``torch.compile`` backend that fuses Qwen2/Qwen2.5 subgraphs into Ascend NPU ops.
+
+Use it as ``torch.compile(model, backend="qwen_npu")`` (registered by entry point). Importing this
+package never imports torch_npu; the npu ops are resolved (real or simulated) at the first compile.
+"""
+
+from .config import ALL_FAMILIES, QwenNpuConfig
+from .npu_ops import NpuOpsStatus, ensure_npu_ops
+from .report import FusionError, GraphReport, get_reports
+
+__all__ = [
+    "ALL_FAMILIES",
+    "FusionError",
+    "GraphReport",
+    "NpuOpsStatus",
+    "QwenNpuConfig",
+    "ensure_npu_ops",
+    "get_reports",
+]
+__version__ = "0.1.0"

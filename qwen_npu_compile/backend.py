@@ -1,0 +1,181 @@
+"""The ``qwen_npu`` Dynamo backend: canonicalise, fuse, report, hand off.
+
+Registered only through the ``torch_dynamo_backends`` entry point (``pyproject.toml``), so
+``torch.compile(model, backend="qwen_npu", options={...})`` finds it without importing anything here
+at ``import torch`` time::
+
+    Dynamo graph --(canonicalize)--> pre-autograd ATen graph --(fuse, per family)--> rewritten graph
+                 --(hand off)--> torchair (real torch_npu) | aot_eager (default off-NPU) | eager | inductor
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.fx
+
+from . import canonicalize
+from .config import ALL_FAMILIES, QwenNpuConfig
+from .fusion import RefusalRecorder
+from .npu_ops import NpuOpsStatus, ensure_npu_ops
+from .report import SUMMARY, FusionError, GraphReport, npu_op_counts, write_graph_dump, write_report
+
+log = logging.getLogger("qwen_npu_compile")
+
+_DUMP_HINT = "set QWEN_NPU_DUMP_DIR=<dir> (or options={'dump_dir': ...}) and read <dir>/summary.json for the reasons"
+
+
+def qwen_npu_backend(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[object],
+    options: dict | None = None,
+    mode: str | None = None,
+):
+    """Dynamo backend: fuse Qwen2 subgraphs into torch_npu ops, then compile downstream.
+
+    Args:
+        gm: the graph Dynamo captured.
+        example_inputs: its example inputs (tensors, SymInts).
+        options: ``torch.compile(..., options=...)``; see :class:`qwen_npu_compile.config.QwenNpuConfig`.
+        mode: not supported (``torch.compile(mode=...)`` is an Inductor notion).
+
+    Returns:
+        The compiled callable of the downstream backend.
+
+    Raises:
+        ValueError: a bad option or env value, ``mode`` given, or ``downstream="torchair"`` without a
+            usable torch_npu.
+        FusionError: strict mode and an enabled family refused or near-missed a match.
+    """
+    if mode is not None:
+        raise ValueError(
+            f"qwen_npu: torch.compile(mode={mode!r}) is not supported; choose the downstream backend with "
+            "options={'downstream': 'torchair'|'aot_eager'|'eager'|'inductor'}"
+        )
+    config = QwenNpuConfig.from_options(options)
+    status = ensure_npu_ops()
+    downstream = resolve_downstream(config, status)
+    report, rewritten = rewrite(gm, example_inputs, config, status, downstream)
+    if config.strict and report.refused:
+        publish(report, config)
+        lines = "\n".join(f"  {r.family}: {r.reason} (at {r.source})" for r in report.refused)
+        raise FusionError(f"qwen_npu strict mode: {len(report.refused)} fusion(s) refused in {report.name}:\n{lines}")
+    try:
+        compiled = hand_off(downstream, rewritten, example_inputs, report, config)
+    except torch._dynamo.exc.RestartAnalysis:
+        # Dynamo will recapture (e.g. TensorifyScalarRestartAnalysis specialises float inputs such as
+        # eps under dynamic=True) and call us again: this attempt is not a compiled graph.
+        raise
+    except Exception:
+        publish(report, config)
+        raise
+    publish(report, config)
+    return compiled
+
+
+def resolve_downstream(config: QwenNpuConfig, status: NpuOpsStatus) -> str:
+    """The downstream backend: the configured one, else torchair with real ops, else aot_eager.
+
+    Raises:
+        ValueError: torchair asked for while the ops are simulated.
+    """
+    if config.downstream is None:
+        return "aot_eager" if status.simulated else "torchair"
+    if config.downstream == "torchair" and status.simulated:
+        raise ValueError(
+            f"qwen_npu: downstream 'torchair' needs torch_npu ({status.reason}); on a host without an "
+            "Ascend NPU use downstream 'aot_eager', 'eager' or 'inductor'"
+        )
+    return config.downstream
+
+
+def rewrite(gm, example_inputs, config: QwenNpuConfig, status: NpuOpsStatus, downstream: str):
+    """Canonicalise ``gm`` and run the enabled fusion passes (the report is published by the caller).
+
+    Returns:
+        ``(report, rewritten GraphModule)``.
+    """
+    from qwen_npu_compile.patterns import get_family_pass
+
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    index = SUMMARY.next_index()
+    name = f"g{index:03d}_{str(compile_id).replace('/', '_') if compile_id is not None else 'eager'}"
+    families = [family for family in ALL_FAMILIES if family in config.fusions]
+    report = GraphReport(name=name, simulated=status.simulated, downstream=downstream, families=families)
+
+    start = time.perf_counter()
+    aten_gm = canonicalize.to_aten_graph(gm, example_inputs)
+    report.seconds["canonicalize"] = time.perf_counter() - start
+    folder = config.dump_dir / name if config.dump_dir is not None else None
+    if folder is not None:
+        report.dump_path = str(folder)
+        write_graph_dump(folder, "captured", gm)
+        write_graph_dump(folder, "canonical", aten_gm)
+
+    recorder = RefusalRecorder()
+    start = time.perf_counter()
+    for family in families:
+        family_pass = get_family_pass(family)
+        report.already_fused[family] = family_pass.count_fused(aten_gm.graph)
+        report.anchors[family] = family_pass.count_anchors(aten_gm.graph)
+        report.fusions[family] = family_pass.apply(aten_gm, recorder)
+    aten_gm.graph.eliminate_dead_code()
+    aten_gm.graph.lint()
+    aten_gm.recompile()
+    report.seconds["fuse"] = time.perf_counter() - start
+    report.refused = recorder.live(aten_gm.graph)
+
+    return report, aten_gm
+
+
+def publish(report: GraphReport, config: QwenNpuConfig) -> None:
+    """Record ``report`` in the process summary, log its line (and the near-miss warning), dump it."""
+    SUMMARY.add(report)
+    log.info(report.log_line())
+    missed = [f for f in report.families if report.fusions[f] == 0 and report.anchors[f] > 0]
+    if missed:
+        log.warning(
+            "qwen_npu %s: enabled famil%s %s found %s anchor op(s) but fused nothing; %s",
+            report.name, "y" if len(missed) == 1 else "ies", missed, [report.anchors[f] for f in missed], _DUMP_HINT,
+        )
+    if config.dump_dir is not None:
+        write_report(report, config.dump_dir)
+
+
+def _recording_compiler(kind: str, report: GraphReport, config: QwenNpuConfig):
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    def compiler(gm: torch.fx.GraphModule, example_inputs):
+        report.aot_ops[kind] = npu_op_counts(gm.graph)
+        if config.dump_dir is not None:
+            write_graph_dump(config.dump_dir / report.name, f"aot_{kind}", gm)
+            write_report(report, config.dump_dir)
+        return make_boxed_func(gm.forward)
+
+    return compiler
+
+
+def hand_off(downstream: str, gm: torch.fx.GraphModule, example_inputs, report: GraphReport, config: QwenNpuConfig):
+    """Compile the rewritten graph with the downstream backend and return its callable."""
+    if downstream == "torchair":
+        import torchair  # installed by `import torch_npu`
+
+        return torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())(gm, example_inputs)
+    if downstream == "aot_eager":
+        # aot_eager with compilers that record which npu ops reach the AOT forward/backward graphs
+        # (the backward should hold npu_rms_norm_backward etc., as it would on an NPU).
+        from torch._dynamo.backends.common import aot_autograd
+
+        backend = aot_autograd(
+            fw_compiler=_recording_compiler("forward", report, config),
+            bw_compiler=_recording_compiler("backward", report, config),
+        )
+        return backend(gm, example_inputs)
+    if downstream == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs)
+    return gm.forward

@@ -1,0 +1,156 @@
+"""Configuration of the ``qwen_npu`` backend: ``torch.compile`` options and ``QWEN_NPU_*`` env vars.
+
+``torch.compile(model, backend="qwen_npu", options={...})`` and the environment set the same things;
+options win over the environment. Every value is validated here, once, with a ``ValueError`` that names
+the valid choices, so that nothing malformed reaches the passes.
+
+=================  ======================  ==============================================================
+option             environment variable    meaning
+=================  ======================  ==============================================================
+``fusions``        ``QWEN_NPU_FUSIONS``    comma-separated families, ``all`` (default) or ``none``
+``dump_dir``       ``QWEN_NPU_DUMP_DIR``   where graphs and reports are written (off by default)
+``downstream``     ``QWEN_NPU_DOWNSTREAM`` ``torchair``, ``aot_eager``, ``eager`` or ``inductor``
+                                           (default: torchair with real torch_npu, else aot_eager)
+``strict``         ``QWEN_NPU_STRICT``     raise when an enabled family refused or near-missed a match
+=================  ======================  ==============================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+#: Every fusion family this project knows, in pass order. Each has a pattern file in ``patterns/``.
+ALL_FAMILIES: tuple[str, ...] = ("rms_norm", "swiglu")
+DOWNSTREAMS: tuple[str, ...] = ("torchair", "aot_eager", "eager", "inductor")
+
+ENV_FUSIONS = "QWEN_NPU_FUSIONS"
+ENV_DUMP_DIR = "QWEN_NPU_DUMP_DIR"
+ENV_DOWNSTREAM = "QWEN_NPU_DOWNSTREAM"
+ENV_STRICT = "QWEN_NPU_STRICT"
+
+_OPTION_TO_ENV = {
+    "fusions": ENV_FUSIONS,
+    "dump_dir": ENV_DUMP_DIR,
+    "downstream": ENV_DOWNSTREAM,
+    "strict": ENV_STRICT,
+}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenNpuConfig:
+    """Validated settings of one ``qwen_npu`` compile.
+
+    Attributes:
+        fusions: the enabled families, a subset of :data:`ALL_FAMILIES`.
+        dump_dir: folder for graph dumps and ``summary.json``; None disables dumping.
+        downstream: the backend the rewritten graph is handed to; None means "choose at compile time"
+            (torchair with a real torch_npu, aot_eager otherwise).
+        strict: when True, a refused or near-missed match of an enabled family raises
+            :class:`qwen_npu_compile.report.FusionError`.
+    """
+
+    fusions: frozenset[str] = frozenset(ALL_FAMILIES)
+    dump_dir: Path | None = None
+    downstream: str | None = None
+    strict: bool = False
+
+    @classmethod
+    def from_options(
+        cls, options: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None
+    ) -> QwenNpuConfig:
+        """Build the config from ``torch.compile`` options, falling back to the environment.
+
+        Args:
+            options: the ``options=`` dict given to ``torch.compile`` (may be None).
+            environ: the environment to read (default ``os.environ``).
+
+        Raises:
+            ValueError: an unknown option key, an unknown family, a malformed boolean or an unknown
+                downstream; the message names the valid choices and where the value came from.
+        """
+        options = dict(options or {})
+        environ = os.environ if environ is None else environ
+        unknown = sorted(set(options) - set(_OPTION_TO_ENV))
+        if unknown:
+            raise ValueError(
+                f"qwen_npu: unknown option(s) {unknown}; valid options are {sorted(_OPTION_TO_ENV)}"
+            )
+
+        def pick(key: str) -> tuple[object | None, str]:
+            if key in options and options[key] is not None:
+                return options[key], f"option {key!r}"
+            env = _OPTION_TO_ENV[key]
+            if env in environ:
+                return environ[env], f"environment variable {env}"
+            return None, ""
+
+        fusions_value, where = pick("fusions")
+        fusions = frozenset(ALL_FAMILIES) if fusions_value is None else parse_fusions(fusions_value, where)
+
+        dump_value, _ = pick("dump_dir")
+        dump_dir = Path(os.fspath(dump_value)).expanduser() if dump_value not in (None, "") else None
+
+        downstream_value, where = pick("downstream")
+        downstream = None
+        if downstream_value not in (None, ""):
+            downstream = str(downstream_value).strip().lower()
+            if downstream not in DOWNSTREAMS:
+                raise ValueError(
+                    f"qwen_npu: {where} = {downstream_value!r} is not a known downstream backend; "
+                    f"choose one of {list(DOWNSTREAMS)}"
+                )
+
+        strict_value, where = pick("strict")
+        strict = False if strict_value is None else parse_bool(strict_value, where)
+        return cls(fusions=fusions, dump_dir=dump_dir, downstream=downstream, strict=strict)
+
+
+def parse_fusions(value: object, where: str = "fusions") -> frozenset[str]:
+    """Parse ``"all"``, ``"none"`` or a comma-separated list (or an iterable) of family names.
+
+    An empty list means no family; an empty string is an error (say ``none``).
+
+    Raises:
+        ValueError: an unknown family name (``all``/``none`` mixed with names included) or an empty string.
+    """
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("all", "none"):
+            return frozenset(ALL_FAMILIES) if text == "all" else frozenset()
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        if not items:
+            raise ValueError(
+                f"qwen_npu: {where} is empty; use 'all', 'none' or a comma-separated subset of {list(ALL_FAMILIES)}"
+            )
+    elif isinstance(value, Iterable):
+        items = [str(item).strip().lower() for item in value]
+    else:
+        raise ValueError(f"qwen_npu: {where} must be a string or a list of families, got {value!r}")
+    bad = [item for item in items if item not in ALL_FAMILIES]
+    if bad:
+        raise ValueError(
+            f"qwen_npu: {where} names unknown fusion famil{'y' if len(bad) == 1 else 'ies'} {bad}; "
+            f"valid: 'all', 'none' or a comma-separated subset of {list(ALL_FAMILIES)}"
+        )
+    return frozenset(items)
+
+
+def parse_bool(value: object, where: str) -> bool:
+    """Parse a boolean option or env value (``1/true/yes/on``, ``0/false/no/off``).
+
+    Raises:
+        ValueError: any other value.
+    """
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"qwen_npu: {where} = {value!r} is not a boolean; use one of 1/true/yes/on or 0/false/no/off")

@@ -1,0 +1,599 @@
+"""Qwen2 / Qwen2.5 models for ``qwen-npu-compile check MODEL``.
+
+``MODEL`` is either a preset name (:data:`PRESETS`; case-insensitive, an optional ``Qwen/`` prefix is
+accepted, e.g. ``Qwen/Qwen2.5-0.5B``) or a local Hugging Face model directory holding a
+``config.json`` with ``model_type: qwen2``. A preset builds a model with random weights (no model hub
+is needed); a local directory builds random weights too unless it also holds weights
+(``*.safetensors`` or ``pytorch_model.bin``), which are then loaded.
+
+The presets are the architecture fields of the published Hugging Face ``config.json`` of the *base*
+models (``Qwen/Qwen2-0.5B``, ..., ``Qwen/Qwen2.5-72B``), not the ``-Instruct`` ones: those share every
+shape, but differ in ``max_position_embeddings`` / ``sliding_window`` (32768 for most Instruct models)
+and, for Qwen2.5-14B/32B/72B, in ``rms_norm_eps`` (Instruct 1e-6, base 1e-5).
+
+The memory estimate (:func:`estimate_memory_bytes`) lets the caller refuse a run that would not fit
+(:func:`available_memory_bytes`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+log = logging.getLogger(__name__)
+
+#: The ``model_type`` values of a local ``config.json`` this module builds.
+SUPPORTED_MODEL_TYPES = ("qwen2",)
+
+#: ``attn_implementation`` values :func:`build_model` accepts.
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+
+#: The architecture fields reported in :func:`build_model`'s info dict (and set by the presets).
+ARCH_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_theta",
+    "tie_word_embeddings",
+    "sliding_window",
+    "use_sliding_window",
+    "max_window_layers",
+    "attention_dropout",
+    "hidden_act",
+)
+
+#: Weight files that make a local directory a "local-weights" model.
+_WEIGHT_GLOBS = ("*.safetensors", "pytorch_model.bin", "pytorch_model-*.bin")
+
+_GIB = 1024**3
+
+# Fields every Qwen2/Qwen2.5 base config.json shares (attention_dropout 0.0, SiLU gate, RoPE base 1e6,
+# no sliding window in use).
+_COMMON = {
+    "attention_dropout": 0.0,
+    "hidden_act": "silu",
+    "rope_theta": 1000000.0,
+    "use_sliding_window": False,
+}
+
+
+def _preset(**fields: Any) -> dict[str, Any]:
+    return {**_COMMON, **fields}
+
+
+# Sources checked (through the code search index; no model hub is reachable here). "HF copy" means a
+# verbatim copy of the model's huggingface.co config.json found in a public repository:
+#   [mlc]   mlc-ai/mlc-llm python/mlc_llm/model/model_preset.py (Instruct configs: shapes, eps, tying)
+#   [i6]    rwth-i6/i6_experiments users/juanola/.../configurations/qwen2/qwen2_configs.py ("Qwen2-0_5B")
+#   [kqi]   a torchKQI script in the index holding Qwen2_7B / Qwen2_72B base config.json dicts
+#   [prof]  citsjtu2020/LLM-Prof sglang/Model_Config.md (Qwen2.5-3B/7B/14B/32B base config.json)
+#   [goog]  a Google-LLC-licensed file in the index transcribing
+#           https://huggingface.co/Qwen/Qwen2.5-{0.5B,1.5B,3B,7B,14B,32B,72B}/blob/main/config.json
+#           into transformers.Qwen2Config(...) calls
+#   [lit]   Lightning-AI/litgpt litgpt/config.py (Qwen2.5-14B/32B/72B: norm_eps=1e-5, block_size 131072)
+#   [cache] a script printing ~/.cache/.../models--Qwen--Qwen2.5-0.5B/snapshots/060db64.../config.json
+#   [pin]   a pinned loader's EXPECTED_CONFIG for the Qwen2.5-1.5B base snapshot
+#   [blog]  a "FLOPs of Qwen2.5-32B" write-up quoting its config.json (rms_norm_eps 1e-05)
+#   [table] an HTML model table linking huggingface.co/Qwen/Qwen2-*/blob/main/config.json (context,
+#           layers, hidden, intermediate, heads, kv heads, tying)
+PRESETS: dict[str, dict[str, Any]] = {
+    # Qwen/Qwen2-0.5B: [i6] HF copy (base: eos 151643, max_position_embeddings 131072); [table] 128K,
+    # tied; shapes also in [mlc] qwen2_0_5b.
+    "qwen2-0.5b": _preset(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        sliding_window=131072,
+        max_window_layers=24,
+    ),
+    # Qwen/Qwen2-1.5B: shapes, vocab, eps and tying from [mlc] qwen2_1_5b (the Instruct config.json,
+    # same weights' shapes); 28 layers / 1536 / 8960 / 12 / 2 / tied / 128K context from [table];
+    # eps 1e-6 also in a code comment citing the base config.json. max_position_embeddings 131072 is
+    # corroborated ([table], and a page noting the base config.json exceeds the 32K of the blog) but
+    # not seen in a verbatim copy; sliding_window and max_window_layers are inferred (unverified) from
+    # the other Qwen2 base configs, where sliding_window == max_position_embeddings.
+    "qwen2-1.5b": _preset(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        sliding_window=131072,
+        max_window_layers=28,
+    ),
+    # Qwen/Qwen2-7B: [kqi] HF copy (Qwen2_7B: vocab 152064, untied, eps 1e-6, 131072); shapes also in
+    # [mlc] qwen2_7b and [table].
+    "qwen2-7b": _preset(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        sliding_window=131072,
+        max_window_layers=28,
+    ),
+    # Qwen/Qwen2.5-0.5B: [cache] HF copy and [goog] (max_position_embeddings 32768, sliding 32768).
+    "qwen2.5-0.5b": _preset(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        sliding_window=32768,
+        max_window_layers=24,
+    ),
+    # Qwen/Qwen2.5-1.5B: [goog] and [pin] (131072, tied, eps 1e-6).
+    "qwen2.5-1.5b": _preset(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        sliding_window=131072,
+        max_window_layers=28,
+    ),
+    # Qwen/Qwen2.5-3B: [prof] HF copy and [goog] (32768, tied, eps 1e-6).
+    "qwen2.5-3b": _preset(
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        sliding_window=32768,
+        max_window_layers=36,
+    ),
+    # Qwen/Qwen2.5-7B: [prof] HF copy and [goog] (vocab 152064, untied, eps 1e-6, 131072).
+    "qwen2.5-7b": _preset(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        sliding_window=131072,
+        max_window_layers=28,
+    ),
+    # Qwen/Qwen2.5-14B: [prof] HF copy, [goog], [lit] (eps 1e-5 in the base config).
+    "qwen2.5-14b": _preset(
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=48,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=152064,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        sliding_window=131072,
+        max_window_layers=48,
+    ),
+    # Qwen/Qwen2.5-32B: [prof] HF copy, [goog], [lit], [blog] (eps 1e-5).
+    "qwen2.5-32b": _preset(
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_hidden_layers=64,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=152064,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        sliding_window=131072,
+        max_window_layers=64,
+    ),
+    # Qwen/Qwen2.5-72B: [goog], [lit] (eps 1e-5, 131072); shapes also in [table].
+    "qwen2.5-72b": _preset(
+        hidden_size=8192,
+        intermediate_size=29568,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=152064,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        sliding_window=131072,
+        max_window_layers=80,
+    ),
+}
+
+
+def preset_names() -> list[str]:
+    """The preset names, sorted.
+
+    Returns:
+        The keys of :data:`PRESETS` (lower case, e.g. ``"qwen2.5-0.5b"``), sorted.
+    """
+    return sorted(PRESETS)
+
+
+def _normalize_preset_name(model: str) -> str:
+    """Lower-cases ``model`` and drops an optional ``Qwen/`` prefix.
+
+    ``"Qwen/Qwen2.5-0.5B"`` → ``"qwen2.5-0.5b"``.
+    """
+    name = model.strip().lower()
+    if name.startswith("qwen/"):
+        name = name[len("qwen/") :]
+    return name
+
+
+def _presets_text() -> str:
+    return ", ".join(preset_names())
+
+
+def _rope_theta(config: Any) -> float | None:
+    """RoPE base of ``config``.
+
+    ``config.rope_theta`` on transformers 4.x, ``config.rope_parameters["rope_theta"]`` on 5.x.
+    """
+    theta = getattr(config, "rope_theta", None)
+    if theta is None:
+        params = getattr(config, "rope_parameters", None)
+        if isinstance(params, dict):
+            theta = params.get("rope_theta")
+    return theta
+
+
+def _arch_subset(config: Any) -> dict[str, Any]:
+    """The :data:`ARCH_FIELDS` of ``config`` as a plain dict (``rope_theta`` resolved on 4.x and 5.x)."""
+    d = config.to_dict()
+    out = {k: d.get(k) for k in ARCH_FIELDS}
+    out["rope_theta"] = _rope_theta(config)
+    return out
+
+
+def _local_dir(model: str) -> Path | None:
+    """``model`` as a directory path when it names an existing directory, else ``None``."""
+    path = Path(model).expanduser()
+    return path if path.is_dir() else None
+
+
+def _has_weights(directory: Path) -> bool:
+    return any(any(directory.glob(pattern)) for pattern in _WEIGHT_GLOBS)
+
+
+def _config_from_dir(directory: Path) -> Qwen2Config:
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise ValueError(
+            f"{directory} is a directory but holds no config.json; a model is a preset "
+            f"({_presets_text()}) or a local Hugging Face model directory with a config.json."
+        )
+    try:
+        data = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read {config_file}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{config_file} does not hold a JSON object")
+    model_type = data.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"{config_file} has model_type {model_type!r}; supported model types: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (Qwen2 and Qwen2.5 checkpoints). "
+            f"Presets: {_presets_text()}."
+        )
+    return Qwen2Config.from_dict(data)
+
+
+def resolve_model_config(model: str) -> Qwen2Config:
+    """The full Hugging Face config of ``model`` (all its layers).
+
+    An existing directory wins over a preset of the same spelling.
+
+    Args:
+        model: A preset name (a key of :data:`PRESETS`, case-insensitive, optional ``Qwen/`` prefix,
+            e.g. ``"Qwen/Qwen2.5-0.5B"``), or a path to a local Hugging Face model directory holding a
+            ``config.json`` whose ``model_type`` is ``qwen2``.
+
+    Returns:
+        A new :class:`transformers.Qwen2Config` with the preset's / directory's values.
+
+    Raises:
+        ValueError: ``model`` is a directory without ``config.json``, with an unreadable one, or with a
+            ``model_type`` other than ``qwen2`` (the message names the supported model types and lists
+            the presets); or ``model`` is neither a directory nor a preset (the message lists the
+            presets, sorted, and says a local directory with a ``config.json`` is also accepted).
+    """
+    directory = _local_dir(model)
+    if directory is not None:
+        return _config_from_dir(directory)
+    name = _normalize_preset_name(model)
+    if name in PRESETS:
+        return Qwen2Config(**PRESETS[name])
+    raise ValueError(
+        f"unknown model {model!r}: not a preset and not a directory. Presets: {_presets_text()}. "
+        "A local Hugging Face model directory holding a config.json (model_type qwen2) is also accepted."
+    )
+
+
+def _with_layers(config: Qwen2Config, layers: int) -> Qwen2Config:
+    """A copy of ``config`` with ``num_hidden_layers=layers`` and ``use_cache=False``.
+
+    transformers 5.x validates ``len(layer_types) == num_hidden_layers``, so a ``layer_types`` list is
+    cut to the first ``layers`` entries (it is rebuilt from the new count when absent).
+    """
+    data = config.to_dict()
+    data["num_hidden_layers"] = layers
+    data["use_cache"] = False
+    layer_types = data.get("layer_types")
+    if isinstance(layer_types, list):
+        data["layer_types"] = layer_types[:layers]
+    return Qwen2Config.from_dict(data)
+
+
+def _transformers_major_minor() -> tuple[int, int]:
+    parts = transformers.__version__.split(".")
+    try:
+        return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
+    except (IndexError, ValueError):  # pragma: no cover - unusual version strings
+        return (5, 0)
+
+
+def _dtype_kwarg() -> str:
+    """The dtype keyword of ``from_pretrained`` / ``_from_config``: ``dtype`` from transformers 4.56 on
+    (5.x still accepts ``torch_dtype`` with a deprecation warning), ``torch_dtype`` before."""
+    return "dtype" if _transformers_major_minor() >= (4, 56) else "torch_dtype"
+
+
+def _check_layers(layers: int | None, max_layers: int) -> int:
+    if layers is None:
+        return max_layers
+    if isinstance(layers, bool) or not isinstance(layers, int):
+        raise ValueError(f"layers must be an integer, got {layers!r}")
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
+    if layers > max_layers:
+        raise ValueError(f"layers={layers} is more than the model has: the maximum is {max_layers}")
+    return layers
+
+
+def build_model(
+    model: str,
+    *,
+    layers: int | None,
+    dtype: torch.dtype,
+    attn: str,
+) -> tuple[Qwen2ForCausalLM, dict[str, Any]]:
+    """Builds a Qwen2/Qwen2.5 causal LM on the CPU, in eval mode, with ``use_cache=False``.
+
+    Random weights come from ``torch.manual_seed(0)`` followed by the transformers initialisation, so
+    two calls with the same arguments give the same weights. A local directory that also holds weights
+    (``*.safetensors``, ``pytorch_model.bin`` or its shards) is loaded with
+    ``Qwen2ForCausalLM.from_pretrained`` instead (with ``layers`` set, only the first ``layers`` decoder
+    layers are loaded; the remaining checkpoint tensors are ignored). The model is returned in
+    ``.eval()`` mode: the caller calls ``.train()`` when it wants training mode (the presets have no
+    dropout, ``attention_dropout`` is 0.0). A KV cache is off (``config.use_cache = False``); the caller
+    passes one explicitly when it wants one.
+
+    Args:
+        model: A preset name or a local model directory; see :func:`resolve_model_config`.
+        layers: Number of decoder layers to build, ``1 <= layers <= config.num_hidden_layers``; ``None``
+            keeps all of the config's layers.
+        dtype: Floating parameter dtype (``torch.float32``, ``torch.bfloat16`` or ``torch.float16``).
+        attn: ``attn_implementation``: ``"sdpa"`` or ``"eager"``.
+
+    Returns:
+        ``(model, info)``: the :class:`transformers.Qwen2ForCausalLM` (on the CPU, parameters in
+        ``dtype``), and ``info`` = ``{"name": preset key or resolved directory path, "source":
+        "preset" | "local-random" | "local-weights", "layers": int, "num_parameters": int (unique
+        parameters, tied embeddings counted once), "config": the :data:`ARCH_FIELDS` of the built
+        config}``.
+
+    Raises:
+        ValueError: ``model`` is not resolvable (see :func:`resolve_model_config`); ``layers`` is not
+            an integer, is < 1, or exceeds the config's ``num_hidden_layers`` (the message names the
+            maximum); ``attn`` is not ``"sdpa"``/``"eager"``; ``dtype`` is not a floating torch dtype.
+    """
+    if attn not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"attn must be one of {', '.join(ATTN_IMPLEMENTATIONS)}; got {attn!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+
+    full_config = resolve_model_config(model)
+    n_layers = _check_layers(layers, full_config.num_hidden_layers)
+    config = _with_layers(full_config, n_layers)
+
+    directory = _local_dir(model)
+    dtype_kw = {_dtype_kwarg(): dtype}
+    torch.manual_seed(0)
+    if directory is not None and _has_weights(directory):
+        source = "local-weights"
+        # The config object (not num_hidden_layers=...) so that layer_types stays consistent (5.x).
+        net = Qwen2ForCausalLM.from_pretrained(
+            directory,
+            config=config,
+            attn_implementation=attn,
+            local_files_only=True,
+            **dtype_kw,
+        )
+    else:
+        source = "local-random" if directory is not None else "preset"
+        net = Qwen2ForCausalLM._from_config(config, attn_implementation=attn, **dtype_kw)
+    net.config.use_cache = False
+    net.eval()
+
+    name = str(directory.resolve()) if directory is not None else _normalize_preset_name(model)
+    info = {
+        "name": name,
+        "source": source,
+        "layers": n_layers,
+        "num_parameters": sum(p.numel() for p in net.parameters()),
+        "config": _arch_subset(net.config),
+    }
+    log.info(
+        "built %s (%s): %d layers, %d parameters, %s, attn=%s",
+        name, source, n_layers, info["num_parameters"], dtype, attn,
+    )
+    return net, info
+
+
+def estimate_num_parameters(config: Any, *, layers: int | None = None) -> int:
+    """Number of parameters of a Qwen2 causal LM, from its config alone.
+
+    Per decoder layer: q/k/v projections with bias (``h·h + h`` and ``2·(h·kv + kv)``, ``kv =
+    num_key_value_heads · head_dim``), o projection without bias (``h·h``), the SwiGLU MLP
+    (``3·h·I``), two RMSNorm weights (``2·h``). Plus the embedding (``V·h``), the final norm (``h``)
+    and, when the embeddings are not tied, the LM head (``V·h``).
+
+    Args:
+        config: A :class:`transformers.Qwen2Config` (or an object with the same attributes).
+        layers: Decoder layers to count; ``None`` uses ``config.num_hidden_layers``.
+
+    Returns:
+        The parameter count (elements, not bytes).
+    """
+    n_layers = config.num_hidden_layers if layers is None else layers
+    h = config.hidden_size
+    inter = config.intermediate_size
+    heads = config.num_attention_heads
+    kv_heads = config.num_key_value_heads or heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    q = heads * head_dim
+    kv = kv_heads * head_dim
+    per_layer = (h * q + q) + 2 * (h * kv + kv) + q * h + 3 * h * inter + 2 * h
+    vocab = config.vocab_size
+    lm_head = 0 if config.tie_word_embeddings else vocab * h
+    return n_layers * per_layer + vocab * h + h + lm_head
+
+
+def estimate_memory_bytes(
+    config: Any,
+    *,
+    layers: int | None,
+    batch: int,
+    seq_len: int,
+    dtype: torch.dtype,
+    train: bool,
+) -> int:
+    """A rough upper-bound estimate of host/device memory to run the eager AND the compiled model.
+
+    The check runs the same model eagerly and compiled (forward, plus backward when ``train``) and
+    keeps both results for comparison. With ``b`` = bytes per element of ``dtype``, ``P`` =
+    :func:`estimate_num_parameters`, ``L`` = layers, ``B`` = batch, ``S`` = seq_len, ``h`` = hidden
+    size, ``a`` = attention heads, ``I`` = intermediate size, ``V`` = vocab size, the estimate is the
+    sum of:
+
+    * parameters: ``P·b`` (one model, shared by the eager and the compiled run);
+    * train only, gradients: ``2·P·b`` (the eager gradients are kept while the compiled ones are
+      computed);
+    * train only, saved activations of one run (the eager run's are freed by its backward before the
+      compiled run starts): ``L · B·S·(34·h + 5·a·S + max(0, 6·I − 16·h)) · b/2``. The first two terms
+      are the per-layer activation memory of a transformer layer in half precision without
+      recomputation, ``s·b·h·(34 + 5·a·s/h)`` bytes (Korthikanti et al., "Reducing Activation
+      Recomputation in Large Transformer Models", MLSys 2023, arXiv:2205.05198, Eq. 1); the
+      third corrects the paper's 4h GeLU MLP (16·h bytes per token) to the SwiGLU MLP (gate, up and
+      activation outputs, 3 tensors of I halves = 6·I bytes per token); ``b/2`` scales it from half
+      precision to ``dtype`` (×2 for fp32). The ``5·a·S`` term (attention scores, softmax, dropout) is
+      kept even for SDPA, which may materialise them on a CPU.
+    * inference only, the transient working set of one layer: ``B·S·(4·h + 3·I)·b + B·a·S²·b``;
+    * logits in fp32 (HF casts them to float for the loss/comparison): ``B·S·V·4`` bytes times 2
+      (logits and a kept copy), 3 in train (plus their gradient), times 2 for the eager and the
+      compiled results kept for comparison;
+    * a fixed 1 GiB for the runtime, the compiler (Dynamo/Inductor) and allocator slack.
+
+    Args:
+        config: A :class:`transformers.Qwen2Config` (or an object with the same attributes).
+        layers: Decoder layers that will be built; ``None`` uses ``config.num_hidden_layers``.
+        batch: Batch size ``B`` (>= 1).
+        seq_len: Sequence length ``S`` in tokens (>= 1).
+        dtype: Parameter / activation dtype.
+        train: Whether a backward pass runs too.
+
+    Returns:
+        Estimated bytes (an int). It is deliberately rough and errs high.
+
+    Raises:
+        ValueError: ``batch`` or ``seq_len`` < 1, or ``layers`` < 1.
+    """
+    if batch < 1 or seq_len < 1:
+        raise ValueError(f"batch and seq_len must be >= 1, got batch={batch}, seq_len={seq_len}")
+    n_layers = config.num_hidden_layers if layers is None else layers
+    if n_layers < 1:
+        raise ValueError(f"layers must be >= 1, got {n_layers}")
+    b = torch.empty((), dtype=dtype).element_size()
+    h = config.hidden_size
+    heads = config.num_attention_heads
+    inter = config.intermediate_size
+    vocab = config.vocab_size
+    tokens = batch * seq_len
+
+    n_params = estimate_num_parameters(config, layers=n_layers)
+    total = n_params * b
+    if train:
+        total += 2 * n_params * b
+        per_layer_half = tokens * (34 * h + 5 * heads * seq_len + max(0, 6 * inter - 16 * h))
+        total += n_layers * per_layer_half * b // 2
+    else:
+        total += tokens * (4 * h + 3 * inter) * b + batch * heads * seq_len * seq_len * b
+    logits_copies = 3 if train else 2
+    total += 2 * logits_copies * tokens * vocab * 4
+    total += _GIB
+    return int(total)
+
+
+def available_memory_bytes() -> int:
+    """Memory available to a new process on this host, in bytes.
+
+    Reads ``MemAvailable`` from ``/proc/meminfo`` (Linux, kB); falls back to
+    ``os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")`` (free pages, which undercounts
+    reclaimable cache). No psutil dependency.
+
+    Returns:
+        Available bytes, or 0 when neither source exists (callers should read 0 as "unknown").
+    """
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    fields = line.split()
+                    unit = fields[2].lower() if len(fields) > 2 else "kb"
+                    scale = 1024 if unit == "kb" else 1
+                    return int(fields[1]) * scale
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        return 0

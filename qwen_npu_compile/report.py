@@ -1,0 +1,167 @@
+"""Step 5: what every compile reports — a log line, an optional dump folder, and ``summary.json``.
+
+One :class:`GraphReport` per compiled graph. With a dump dir, each graph gets a folder
+``<dump_dir>/<graph name>/`` holding ``captured.py`` (Dynamo's graph), ``canonical.py`` (the
+pre-autograd ATen graph), ``rewritten.py`` (after fusion), ``aot_forward.py`` / ``aot_backward.py``
+when the aot_eager downstream compiles them, and ``report.json``; ``<dump_dir>/summary.json``
+accumulates every graph compiled in the process (format in the README).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import platform
+import threading
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from .fusion import Refusal
+
+log = logging.getLogger("qwen_npu_compile")
+
+
+class FusionError(RuntimeError):
+    """Raised in strict mode when an enabled family refused or near-missed a match."""
+
+
+@dataclasses.dataclass
+class GraphReport:
+    """The outcome of one ``qwen_npu`` compile of one Dynamo graph.
+
+    Attributes:
+        name: unique in the process, ``g<index>_<dynamo compile id>``.
+        simulated: True when the npu ops are this package's stand-ins.
+        downstream: the backend the rewritten graph went to.
+        families: the enabled families.
+        fusions: per family, the number of subgraphs replaced by a fused op.
+        already_fused: per family, fused ops the captured graph already held (monkey-patched models).
+        anchors: per family, anchor ops seen before fusion (an upper bound of what could fuse).
+        refused: every refusal and near miss, with reason and model source line.
+        seconds: wall time per step (``canonicalize``, ``fuse``), seconds.
+        aot_ops: npu op counts in the AOT ``forward`` and ``backward`` graphs (aot_eager downstream).
+    """
+
+    name: str
+    simulated: bool
+    downstream: str
+    families: list[str]
+    fusions: dict[str, int] = dataclasses.field(default_factory=dict)
+    already_fused: dict[str, int] = dataclasses.field(default_factory=dict)
+    anchors: dict[str, int] = dataclasses.field(default_factory=dict)
+    refused: list[Refusal] = dataclasses.field(default_factory=list)
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    aot_ops: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    dump_path: str | None = None
+
+    def as_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["refused"] = [refusal.as_dict() for refusal in self.refused]
+        return data
+
+    def log_line(self) -> str:
+        fused = ", ".join(f"{family} {self.fusions.get(family, 0)}" for family in self.families) or "no family enabled"
+        extra = f"; already fused: {self.already_fused}" if any(self.already_fused.values()) else ""
+        refused = f"; {len(self.refused)} refused (see dump)" if self.refused else ""
+        return (
+            f"qwen_npu [{'simulated' if self.simulated else 'real'} npu ops] {self.name}: fused {fused}"
+            f"{extra}{refused}; downstream {self.downstream}"
+        )
+
+
+def npu_op_counts(graph: torch.fx.Graph) -> dict[str, int]:
+    """Count ``torch.ops.npu.*`` calls in ``graph`` by op name (overload dropped)."""
+    counts: Counter[str] = Counter()
+    for node in graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            if node.target.namespace == "npu":
+                counts[node.target._schema.name.split("::")[-1]] += 1
+    return dict(sorted(counts.items()))
+
+
+def versions() -> dict[str, str | None]:
+    """Versions of everything that changes captured graphs (for reports and bug reports)."""
+    import importlib.metadata as md
+
+    def version(dist: str) -> str | None:
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return None
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": version("transformers"),
+        "torch_npu": version("torch_npu") or version("torch-npu"),
+        "qwen_npu_compile": version("qwen_npu_compile"),
+    }
+
+
+class Summary:
+    """Process-wide accumulation of graph reports, written to ``<dump_dir>/summary.json``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.graphs: list[GraphReport] = []
+
+    def next_index(self) -> int:
+        with self._lock:
+            return len(self.graphs)
+
+    def add(self, report: GraphReport) -> None:
+        with self._lock:
+            self.graphs.append(report)
+
+    def clear(self) -> None:
+        with self._lock:
+            self.graphs.clear()
+
+    def totals(self) -> dict[str, int]:
+        totals: Counter[str] = Counter()
+        for report in self.graphs:
+            totals.update(report.fusions)
+        return dict(totals)
+
+    def as_dict(self) -> dict:
+        with self._lock:
+            graphs = list(self.graphs)
+        return {
+            "simulated": any(report.simulated for report in graphs),
+            "versions": versions(),
+            "graphs": [report.as_dict() for report in graphs],
+            "totals": self.totals(),
+        }
+
+    def write(self, dump_dir: Path) -> Path:
+        dump_dir.mkdir(parents=True, exist_ok=True)
+        path = dump_dir / "summary.json"
+        path.write_text(json.dumps(self.as_dict(), indent=2, default=str))
+        return path
+
+
+#: Every graph compiled by ``qwen_npu`` in this process.
+SUMMARY = Summary()
+
+
+def get_reports() -> list[GraphReport]:
+    """The reports of every graph compiled by ``qwen_npu`` in this process, oldest first."""
+    return list(SUMMARY.graphs)
+
+
+def write_graph_dump(folder: Path, name: str, gm_or_code) -> None:
+    """Write one graph as readable Python code to ``folder/name.py``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    code = gm_or_code if isinstance(gm_or_code, str) else gm_or_code.print_readable(print_output=False)
+    (folder / f"{name}.py").write_text(code)
+
+
+def write_report(report: GraphReport, dump_dir: Path) -> None:
+    """Write ``report.json`` of one graph and refresh ``summary.json``."""
+    folder = dump_dir / report.name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "report.json").write_text(json.dumps(report.as_dict(), indent=2, default=str))
+    SUMMARY.write(dump_dir)

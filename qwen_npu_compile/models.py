@@ -314,7 +314,10 @@ def _config_from_dir(directory: Path) -> Qwen2Config:
             f"{', '.join(SUPPORTED_MODEL_TYPES)} (Qwen2 and Qwen2.5 checkpoints). "
             f"Presets: {_presets_text()}."
         )
-    return Qwen2Config.from_dict(data)
+    try:
+        return Qwen2Config.from_dict(data)
+    except Exception as exc:  # transformers 5.x raises huggingface_hub's StrictDataclass*Error here
+        raise ValueError(f"{config_file} is not a valid Qwen2 config: {exc}") from exc
 
 
 def resolve_model_config(model: str) -> Qwen2Config:
@@ -331,8 +334,8 @@ def resolve_model_config(model: str) -> Qwen2Config:
         A new :class:`transformers.Qwen2Config` with the preset's / directory's values.
 
     Raises:
-        ValueError: ``model`` is a directory without ``config.json``, with an unreadable one, or with a
-            ``model_type`` other than ``qwen2`` (the message names the supported model types and lists
+        ValueError: ``model`` is a directory without ``config.json``, with an unreadable or invalid one,
+            or with a ``model_type`` other than ``qwen2`` (the message names the supported model types and lists
             the presets); or ``model`` is neither a directory nor a preset (the message lists the
             presets, sorted, and says a local directory with a ``config.json`` is also accepted).
     """

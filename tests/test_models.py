@@ -264,3 +264,13 @@ def test_estimate_memory_validates():
 
 def test_available_memory_bytes_positive():
     assert models.available_memory_bytes() > 0
+
+
+def test_invalid_qwen2_config_json_is_a_value_error(tmp_path):
+    data = tiny_config().to_dict()
+    data["num_hidden_layers"] = 3  # layer_types still lists 2 layers: rejected by transformers 5.x
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    if len(data.get("layer_types") or []) != 2:
+        pytest.skip("this transformers version writes no layer_types")
+    with pytest.raises(ValueError, match="not a valid Qwen2 config"):
+        resolve_model_config(str(tmp_path))

@@ -489,8 +489,9 @@ def reference_fusion_attention_grad(
         query_dtype=query.dtype,
     )  # fmt: skip
     b, nq, nkv, sq, skv, d, dv_dim = dims
-    if list(dy.shape) != _out_shape(query, input_layout, nq, dv_dim):
-        raise RuntimeError(f"{op}: dy shape {tuple(dy.shape)} != attention_out shape {_out_shape(query, input_layout, nq, dv_dim)}")
+    out_shape = _out_shape(query, input_layout, nq, dv_dim)
+    if list(dy.shape) != out_shape:
+        raise RuntimeError(f"{op}: dy shape {tuple(dy.shape)} != attention_out shape {tuple(out_shape)}")
     group = nq // nkv
     q = _to_bnsd(query, input_layout, nq).float()
     k = _to_bnsd(key, input_layout, nkv).float()
@@ -513,7 +514,7 @@ def reference_fusion_attention_grad(
     dq = ds @ k_rep
     dk_full = ds.transpose(-1, -2) @ q
     if group > 1:
-        dk_full = dk_full.reshape(b, group, nkv, skv, d).sum(1)
+        dk_full = dk_full.reshape(b, nkv, group, skv, d).sum(2)
         dv_full = dv_full.reshape(b, nkv, group, skv, dv_dim).sum(2)
     dtype = query.dtype
     return (
@@ -563,6 +564,9 @@ def _fake_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *
         sparse_mode=kwargs.get("sparse_mode", 0), softmax_layout=kwargs.get("softmax_layout", ""),
         sink=kwargs.get("sink"), query_dtype=query.dtype,
     )  # fmt: skip
+    out_shape = _out_shape(query, input_layout, dims[1], dims[6])
+    if list(dy.shape) != out_shape:
+        raise RuntimeError(f"{op}: dy shape {tuple(dy.shape)} != attention_out shape {tuple(out_shape)}")
     return (
         query.new_empty(query.shape),
         query.new_empty(key.shape),

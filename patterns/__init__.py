@@ -11,12 +11,16 @@ import functools
 from qwen_npu_compile.config import ALL_FAMILIES
 from qwen_npu_compile.fusion import FamilyPass, FusionFamily
 
+from .attention import AttentionFamily
 from .rms_norm import RmsNormFamily
+from .rotary import RotaryFamily
 from .swiglu import SwiGluFamily
 
 FAMILIES: dict[str, type[FusionFamily]] = {
     RmsNormFamily.name: RmsNormFamily,
     SwiGluFamily.name: SwiGluFamily,
+    RotaryFamily.name: RotaryFamily,
+    AttentionFamily.name: AttentionFamily,
 }
 
 assert tuple(FAMILIES) == ALL_FAMILIES, "config.ALL_FAMILIES must list the families of FAMILIES in pass order"

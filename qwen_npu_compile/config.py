@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 #: Every fusion family this project knows, in pass order. Each has a pattern file in ``patterns/``.
-ALL_FAMILIES: tuple[str, ...] = ("rms_norm", "swiglu")
+ALL_FAMILIES: tuple[str, ...] = ("rms_norm", "swiglu", "rotary", "attention")
 DOWNSTREAMS: tuple[str, ...] = ("torchair", "aot_eager", "eager", "inductor")
 
 ENV_FUSIONS = "QWEN_NPU_FUSIONS"

@@ -59,10 +59,11 @@ def qwen_npu_backend(
     status = ensure_npu_ops()
     downstream = resolve_downstream(config, status)
     report, rewritten = rewrite(gm, example_inputs, config, status, downstream)
-    if config.strict and report.refused:
+    strict_refusals = [r for r in report.refused if r.family in report.families]
+    if config.strict and strict_refusals:
         publish(report, config)
-        lines = "\n".join(f"  {r.family}: {r.reason} (at {r.source})" for r in report.refused)
-        raise FusionError(f"qwen_npu strict mode: {len(report.refused)} fusion(s) refused in {report.name}:\n{lines}")
+        lines = "\n".join(f"  {r.family}: {r.reason} (at {r.source})" for r in strict_refusals)
+        raise FusionError(f"qwen_npu strict mode: {len(strict_refusals)} fusion(s) refused in {report.name}:\n{lines}")
     try:
         compiled = hand_off(downstream, rewritten, example_inputs, report, config)
     except torch._dynamo.exc.RestartAnalysis:
@@ -122,6 +123,11 @@ def rewrite(gm, example_inputs, config: QwenNpuConfig, status: NpuOpsStatus, dow
         report.already_fused[family] = family_pass.count_fused(aten_gm.graph)
         report.anchors[family] = family_pass.count_anchors(aten_gm.graph)
         report.fusions[family] = family_pass.apply(aten_gm, recorder)
+    for family in ALL_FAMILIES:
+        if family not in config.fusions:
+            # a disabled family is not matched; say so wherever its anchor op shows it could have been
+            for anchor in get_family_pass(family).anchor_nodes(aten_gm.graph):
+                recorder.refuse(family, anchor, f"family {family!r} is disabled (fusions={sorted(config.fusions)})")
     aten_gm.graph.eliminate_dead_code()
     aten_gm.graph.lint()
     aten_gm.recompile()

@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 import dataclasses
 import logging
+import os
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -141,15 +142,22 @@ def recording(recorder: RefusalRecorder):
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+_TORCH_DIR = os.path.dirname(torch.__file__)
 
 
 def node_source(node: torch.fx.Node) -> str:
-    """``file:line`` of the model code that produced ``node`` (innermost frame), or ``"<unknown>"``."""
-    trace = node.meta.get("stack_trace") or ""
-    frames = _FRAME.findall(trace)
+    """``file:line`` of the model code that produced ``node``, or ``"<unknown>"``.
+
+    The innermost frame of a transformers ``modeling_*.py`` file wins (``modeling_qwen2.py:63`` is
+    more useful than the ``activations.py`` line of ``nn.SiLU``); otherwise the innermost frame
+    outside torch itself.
+    """
+    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
     if not frames:
         return "<unknown>"
-    path, line = frames[-1]
+    modeling = [frame for frame in frames if frame[0].rsplit("/", 1)[-1].startswith("modeling_")]
+    outside_torch = [frame for frame in frames if not frame[0].startswith(_TORCH_DIR)]
+    path, line = (modeling or outside_torch or frames)[-1]
     return f"{path.rsplit('/', 1)[-1]}:{line}"
 
 
@@ -236,14 +244,17 @@ class FamilyPass:
         self.ensure_registered()
         with recording(recorder):
             count = self.matcher.apply(gm)
-        for op in self.family.anchor_ops:
-            for anchor in gm.graph.find_nodes(op="call_function", target=op):
-                if not recorder.has(self.family.name, anchor):
-                    recorder.refuse(self.family.name, anchor, "near miss: " + self.family.explain_near_miss(anchor))
+        for anchor in self.anchor_nodes(gm.graph):
+            if not recorder.has(self.family.name, anchor):
+                recorder.refuse(self.family.name, anchor, "near miss: " + self.family.explain_near_miss(anchor))
         return count
 
+    def anchor_nodes(self, graph: torch.fx.Graph) -> list[torch.fx.Node]:
+        """Every node of ``graph`` that calls one of the family's anchor ops."""
+        return [node for op in self.family.anchor_ops for node in graph.find_nodes(op="call_function", target=op)]
+
     def count_anchors(self, graph: torch.fx.Graph) -> int:
-        return sum(len(graph.find_nodes(op="call_function", target=op)) for op in self.family.anchor_ops)
+        return len(self.anchor_nodes(graph))
 
     def count_fused(self, graph: torch.fx.Graph) -> int:
         return sum(len(graph.find_nodes(op="call_function", target=op)) for op in self.family.fused_ops)

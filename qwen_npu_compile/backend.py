@@ -133,7 +133,8 @@ def rewrite(gm, example_inputs, config: QwenNpuConfig, status: NpuOpsStatus, dow
     aten_gm.recompile()
     report.seconds["fuse"] = time.perf_counter() - start
     report.refused = recorder.live(aten_gm.graph)
-
+    if folder is not None:
+        write_graph_dump(folder, "rewritten", aten_gm)
     return report, aten_gm
 
 

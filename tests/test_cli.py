@@ -1,0 +1,83 @@
+"""The ``qwen-npu-compile check`` command on small local models."""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from conftest import tiny_qwen2_config
+from qwen_npu_compile import cli, models
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path):
+    folder = tmp_path / "tiny-qwen2"
+    tiny_qwen2_config().save_pretrained(folder)
+    return folder
+
+
+def test_check_passes_on_a_local_config_and_writes_json(npu_ops, tiny_model_dir, tmp_path, capsys):
+    out_json = tmp_path / "result.json"
+    status = cli.main(["check", str(tiny_model_dir), "--seq-len", "16", "--batch", "2", "--fusions", "rms_norm,swiglu",
+                       "--json", str(out_json), "--dump-dir", str(tmp_path / "dump")])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "[1/6] building" in printed and "verdict: PASS" in printed
+    result = json.loads(out_json.read_text())
+    assert result["simulated"] is True
+    assert result["fusions"]["rms_norm"] == {"fused": 5, "already_fused": 0, "expected": 5}
+    assert result["fusions"]["swiglu"] == {"fused": 2, "already_fused": 0, "expected": 2}
+    assert result["backward_ops"] == {"npu_rms_norm_backward": 5, "npu_swiglu_backward": 2}
+    assert result["parity"]["gradients"]["ok"] and result["parity"]["logits"]["ok"]
+    assert (tmp_path / "dump" / "summary.json").exists()
+
+
+def test_check_fp32_infer(npu_ops, tiny_model_dir, capsys):
+    status = cli.main(["check", str(tiny_model_dir), "--dtype", "fp32", "--mode", "infer", "--attn", "eager",
+                       "--fusions", "rms_norm,swiglu"])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "[1/5] building" in printed  # no fp32 reference stage in fp32
+
+
+def test_missing_fusion_fails_the_verdict(npu_ops, tiny_model_dir, capsys, monkeypatch):
+    from qwen_npu_compile.patterns import get_family_pass
+
+    monkeypatch.setattr(get_family_pass("swiglu"), "apply", lambda gm, recorder: 0)
+    status = cli.main(["check", str(tiny_model_dir), "--mode", "infer", "--fusions", "rms_norm,swiglu"])
+    printed = capsys.readouterr().out
+    assert status == 1
+    assert "problem: swiglu: fused 0 (+0 already fused), expected 2" in printed and "verdict: FAIL" in printed
+
+
+def test_unknown_model_is_a_one_line_error(capsys):
+    assert cli.main(["check", "qwen9-1b"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qwen-npu-compile: error:") and "qwen2.5-0.5b" in err
+
+
+def test_memory_refusal_suggests_layers(monkeypatch, capsys):
+    monkeypatch.setattr(models, "available_memory_bytes", lambda: 8 * 2**30)
+    assert cli.main(["check", "qwen2.5-72b"]) == 2
+    err = capsys.readouterr().err
+    assert "GiB needed" in err and "try --layers" in err
+
+
+def test_bad_arguments_exit_2():
+    with pytest.raises(SystemExit) as info:
+        cli.main(["check", "qwen2.5-0.5b", "--dtype", "int8"])
+    assert info.value.code == 2
+
+
+def test_expected_counts_follow_the_config():
+    assert cli.expected_fusions(24, {"rms_norm", "swiglu", "rotary", "attention"}) == {
+        "rms_norm": 49, "swiglu": 24, "rotary": 48, "attention": 24}
+
+
+def test_console_script_is_installed():
+    exe = shutil.which("qwen-npu-compile")
+    assert exe is not None
+    out = subprocess.run([exe, "check", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "--layers" in out.stdout and "--json" in out.stdout

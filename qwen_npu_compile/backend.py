@@ -19,7 +19,7 @@ import torch.fx
 
 from . import canonicalize
 from .config import ALL_FAMILIES, QwenNpuConfig
-from .fusion import RefusalRecorder
+from .fusion import CompileTarget, RefusalRecorder, targeting
 from .npu_ops import NpuOpsStatus, ensure_npu_ops
 from .report import SUMMARY, FusionError, GraphReport, npu_op_counts, write_graph_dump, write_report
 
@@ -60,12 +60,16 @@ def qwen_npu_backend(
     downstream = resolve_downstream(config, status)
     report, rewritten = rewrite(gm, example_inputs, config, status, downstream)
     strict_refusals = [r for r in report.refused if r.family in report.families]
+    if config.strict and report.fallback and report.families:
+        publish(report, config)
+        raise FusionError(f"qwen_npu strict mode: {report.name} compiled unfused: {report.fallback}")
     if config.strict and strict_refusals:
         publish(report, config)
         lines = "\n".join(f"  {r.family}: {r.reason} (at {r.source})" for r in strict_refusals)
         raise FusionError(f"qwen_npu strict mode: {len(strict_refusals)} fusion(s) refused in {report.name}:\n{lines}")
+    constants = canonicalize.lift_tensor_constants(rewritten)
     try:
-        compiled = hand_off(downstream, rewritten, example_inputs, report, config)
+        compiled = hand_off(downstream, rewritten, [*example_inputs, *constants], report, config)
     except torch._dynamo.exc.RestartAnalysis:
         # Dynamo will recapture (e.g. TensorifyScalarRestartAnalysis specialises float inputs such as
         # eps under dynamic=True) and call us again: this attempt is not a compiled graph.
@@ -74,7 +78,19 @@ def qwen_npu_backend(
         publish(report, config)
         raise
     publish(report, config)
-    return compiled
+    return bind_trailing_inputs(compiled, constants) if constants else compiled
+
+
+def bind_trailing_inputs(compiled, extra: list[torch.Tensor]):
+    """Wrap ``compiled`` so that ``extra`` is passed after the caller's inputs (boxed or not)."""
+    if getattr(compiled, "_boxed_call", False):
+
+        def boxed(args):
+            return compiled([*args, *extra])
+
+        boxed._boxed_call = True
+        return boxed
+    return lambda *args: compiled(*args, *extra)
 
 
 def resolve_downstream(config: QwenNpuConfig, status: NpuOpsStatus) -> str:
@@ -108,7 +124,15 @@ def rewrite(gm, example_inputs, config: QwenNpuConfig, status: NpuOpsStatus, dow
     report = GraphReport(name=name, simulated=status.simulated, downstream=downstream, families=families)
 
     start = time.perf_counter()
-    aten_gm = canonicalize.to_aten_graph(gm, example_inputs)
+    try:
+        aten_gm = canonicalize.to_aten_graph(gm, example_inputs)
+    except canonicalize.CanonicalizationError as exc:
+        # Never a silent wrong result: compile the captured graph as it is, unfused, and say so.
+        report.fallback = str(exc)
+        report.fusions = dict.fromkeys(families, 0)
+        log.warning("qwen_npu %s: fusion skipped, compiling the graph unfused: %s; upgrade transformers to 5.x "
+                    "to get the fused kernels", name, exc)
+        return report, gm
     report.seconds["canonicalize"] = time.perf_counter() - start
     folder = config.dump_dir / name if config.dump_dir is not None else None
     if folder is not None:
@@ -118,11 +142,12 @@ def rewrite(gm, example_inputs, config: QwenNpuConfig, status: NpuOpsStatus, dow
 
     recorder = RefusalRecorder()
     start = time.perf_counter()
-    for family in families:
-        family_pass = get_family_pass(family)
-        report.already_fused[family] = family_pass.count_fused(aten_gm.graph)
-        report.anchors[family] = family_pass.count_anchors(aten_gm.graph)
-        report.fusions[family] = family_pass.apply(aten_gm, recorder)
+    with targeting(CompileTarget(downstream, status.simulated)):
+        for family in families:
+            family_pass = get_family_pass(family)
+            report.already_fused[family] = family_pass.count_fused(aten_gm.graph)
+            report.anchors[family] = family_pass.count_anchors(aten_gm.graph)
+            report.fusions[family] = family_pass.apply(aten_gm, recorder)
     for family in ALL_FAMILIES:
         if family not in config.fusions:
             # a disabled family is not matched; say so wherever its anchor op shows it could have been
@@ -142,7 +167,7 @@ def publish(report: GraphReport, config: QwenNpuConfig) -> None:
     """Record ``report`` in the process summary, log its line (and the near-miss warning), dump it."""
     SUMMARY.add(report)
     log.info(report.log_line())
-    missed = [f for f in report.families if report.fusions[f] == 0 and report.anchors[f] > 0]
+    missed = [f for f in report.families if report.fusions[f] == 0 and report.anchors.get(f, 0) > 0]
     if missed:
         log.warning(
             "qwen_npu %s: enabled famil%s %s found %s anchor op(s) but fused nothing; %s",

@@ -66,8 +66,60 @@ def to_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) ->
 
     with torch.fx.traceback.preserve_node_meta(), fake_mode:
         aten_gm = make_fx(run, pre_dispatch=True)(*fake_args)
+    fake_constants = sorted(
+        {node.target for node in aten_gm.graph.find_nodes(op="get_attr")
+         if isinstance(getattr(aten_gm, node.target, None), torch._subclasses.FakeTensor)}
+    )
+    if fake_constants:
+        # make_fx lost track of a computed tensor and froze its *fake* value into the graph: the
+        # retraced graph would be wrong (seen with the torch.vmap-built attention masks of
+        # transformers 4.5x masking_utils).
+        raise CanonicalizationError(
+            f"the pre-dispatch retrace froze computed tensors into constants ({', '.join(fake_constants)}); "
+            "this happens with torch.vmap in the model (transformers 4.5x builds attention masks with it)"
+        )
     normalize(aten_gm)
     return aten_gm
+
+
+class CanonicalizationError(RuntimeError):
+    """The Dynamo graph cannot be retraced faithfully; the backend falls back to the unfused graph."""
+
+
+def lift_tensor_constants(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
+    """Turn the real tensor constants make_fx folded into ``gm`` into trailing graph inputs.
+
+    make_fx keeps constants it computed while tracing (e.g. the scalar tensors of transformers 4.57's
+    mask construction) as plain *real* tensor attributes ``_tensor_constantN``; AOTAutograd, which
+    traces under a fake mode, rejects them ("expected FakeTensor for arg, got Tensor"). As inputs
+    they are fakeified like every other input. The caller passes the returned tensors after the
+    original inputs (``backend.bind_trailing_inputs``).
+
+    Returns:
+        The constants, in the order of the placeholders appended to ``gm``.
+    """
+    constants: list[torch.Tensor] = []
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    by_target: dict[str, torch.fx.Node] = {}
+    for node in list(gm.graph.find_nodes(op="get_attr")):
+        value = getattr(gm, node.target, None)
+        if not isinstance(value, torch.Tensor) or isinstance(value, torch.nn.Parameter):
+            continue
+        if node.target not in by_target:
+            anchor = by_target[next(reversed(by_target))] if by_target else placeholders[-1]
+            with gm.graph.inserting_after(anchor):
+                placeholder = gm.graph.placeholder(f"lifted{node.target}")
+            placeholder.meta.update(node.meta)
+            by_target[node.target] = placeholder
+            constants.append(value)
+        node.replace_all_uses_with(by_target[node.target])
+        gm.graph.erase_node(node)
+    for target in by_target:
+        delattr(gm, target)
+    if constants:
+        gm.graph.lint()
+        gm.recompile()
+    return constants
 
 
 def remove_noop_casts(graph: torch.fx.Graph) -> int:

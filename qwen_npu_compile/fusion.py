@@ -48,6 +48,9 @@ class PatternVariant:
         scalar_workaround: float/int arguments that must match any value, not a baked-in literal
             (e.g. ``{"eps": 1e-6}``: eps is a graph input under ``dynamic=True``).
         why: one line on why this variant exists.
+        search_fn_pattern: optional prebuilt pattern used as is, for the first match and as the exact
+            pattern (Inductor then skips re-tracing ``search_fn`` with the match's shapes, a re-trace
+            that can bind only one of several independent symbolic sizes; see ``patterns/attention.py``).
     """
 
     name: str
@@ -57,6 +60,7 @@ class PatternVariant:
     check: CheckFn | None = None
     scalar_workaround: dict[str, float | int] = dataclasses.field(default_factory=dict)
     why: str = ""
+    search_fn_pattern: pm.PatternExpr | None = None
 
 
 class FusionFamily:
@@ -141,6 +145,39 @@ def recording(recorder: RefusalRecorder):
         _ACTIVE_RECORDER.reset(token)
 
 
+@dataclasses.dataclass(frozen=True)
+class CompileTarget:
+    """What the rewritten graph will run on, for checks whose answer depends on it.
+
+    Attributes:
+        downstream: the backend the rewritten graph is handed to (``torchair``, ``aot_eager``, ...).
+        simulated: True when the ``npu`` ops are this package's CPU stand-ins.
+    """
+
+    downstream: str
+    simulated: bool
+
+
+_ACTIVE_TARGET: contextvars.ContextVar[CompileTarget | None] = contextvars.ContextVar(
+    "qwen_npu_target", default=None
+)
+
+
+@contextlib.contextmanager
+def targeting(target: CompileTarget):
+    """Make ``target`` what :func:`current_target` returns inside this block (``backend.rewrite`` sets it)."""
+    token = _ACTIVE_TARGET.set(target)
+    try:
+        yield target
+    finally:
+        _ACTIVE_TARGET.reset(token)
+
+
+def current_target() -> CompileTarget | None:
+    """The target of the rewrite in progress; None outside ``backend.rewrite`` (checks must then be conservative)."""
+    return _ACTIVE_TARGET.get()
+
+
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
@@ -212,6 +249,7 @@ class FamilyPass:
                 self.matcher,
                 extra_check=self._wrap_check(variant),
                 scalar_workaround=dict(variant.scalar_workaround),
+                search_fn_pattern=variant.search_fn_pattern,
                 skip_duplicates=True,
                 pattern_name=variant.name,
             )

@@ -43,6 +43,7 @@ class GraphReport:
         refused: every refusal and near miss, with reason and model source line.
         seconds: wall time per step (``canonicalize``, ``fuse``), seconds.
         aot_ops: npu op counts in the AOT ``forward`` and ``backward`` graphs (aot_eager downstream).
+        fallback: why the graph was compiled unfused (it could not be retraced faithfully), or None.
     """
 
     name: str
@@ -56,6 +57,7 @@ class GraphReport:
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     aot_ops: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     dump_path: str | None = None
+    fallback: str | None = None
 
     def as_dict(self) -> dict:
         data = dataclasses.asdict(self)
@@ -66,6 +68,8 @@ class GraphReport:
         fused = ", ".join(f"{family} {self.fusions.get(family, 0)}" for family in self.families) or "no family enabled"
         extra = f"; already fused: {self.already_fused}" if any(self.already_fused.values()) else ""
         refused = f"; {len(self.refused)} refused (see dump)" if self.refused else ""
+        if self.fallback:
+            refused += f"; UNFUSED: {self.fallback}"
         return (
             f"qwen_npu [{'simulated' if self.simulated else 'real'} npu ops] {self.name}: fused {fused}"
             f"{extra}{refused}; downstream {self.downstream}"

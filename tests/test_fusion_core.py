@@ -20,7 +20,7 @@ def test_exact_counts_and_parity(npu_ops, dtype, train, dynamic):
     report = reports[0]
     assert report.simulated is True
     assert report.fusions == {"rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS}
-    assert report.refused == []
+    assert [r for r in report.refused if r.family in report.families] == []
     assert report.aot_ops["forward"] == {"npu_rms_norm": 2 * LAYERS + 1, "npu_swiglu": LAYERS}
     if train:
         assert report.aot_ops["backward"] == {"npu_rms_norm_backward": 2 * LAYERS + 1, "npu_swiglu_backward": LAYERS}

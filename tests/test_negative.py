@@ -109,3 +109,30 @@ def test_strict_mode_ignores_disabled_families(npu_ops):
     with torch.no_grad():
         torch.compile(model, backend="qwen_npu", options={"fusions": "rms_norm", "strict": "1"})(torch.randint(0, 128, (1, 8)))
     assert _only_report().fusions == {"rms_norm": 5}
+
+
+class VmapMaskedNorm(torch.nn.Module):
+    """Builds a mask with torch.vmap, as transformers 4.5x masking_utils does."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = Qwen2RMSNorm(8)
+
+    def forward(self, x):
+        idx = torch.arange(x.shape[-2])
+        mask = torch.vmap(lambda i: idx <= i)(idx)
+        return self.norm(x).masked_fill(~mask, 0)
+
+
+def test_graph_that_cannot_be_retraced_faithfully_runs_unfused_with_a_warning(npu_ops, caplog):
+    module, x = VmapMaskedNorm(), torch.randn(2, 8, 8)
+    with caplog.at_level(logging.WARNING, logger="qwen_npu_compile"):
+        out = torch.compile(module, backend="qwen_npu")(x)
+    torch.testing.assert_close(out, module(x))
+    report = _only_report()
+    assert report.fusions["rms_norm"] == 0
+    assert "froze computed tensors into constants" in report.fallback
+    assert "compiling the graph unfused" in caplog.text and "transformers to 5.x" in caplog.text
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="strict mode.*compiled unfused"):
+        torch.compile(module, backend="qwen_npu", options={"strict": True})(x)

@@ -144,6 +144,15 @@ def _rotate_half_transpose(y: torch.Tensor) -> torch.Tensor:
     return torch.cat([y2, -y1], -1)
 
 
+def _like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``t`` in ``ref``'s dtype and in the layout of ``torch.empty_like(ref)``, as the fake kernels say.
+
+    (Elementwise math follows its inputs' strides: with a transposed ``grad`` the result would be
+    non-contiguous while the fake, like the NPU kernel, allocates ``empty_like(x)``.)
+    """
+    return torch.empty_like(ref).copy_(t)
+
+
 def _reduce_to(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     dims = [i for i, (ts, s) in enumerate(zip(t.shape, shape)) if s == 1 and ts != 1]
     return t.sum(dims, keepdim=True) if dims else t
@@ -174,7 +183,7 @@ def reference_rotary_mul(
     _check(x, r1, r2, rotary_mode, rotate)
     xf = x.float()
     out = xf * r1.float() + _rotate_half(xf) * r2.float()
-    return out.to(x.dtype)
+    return _like(out, x)
 
 
 def reference_rotary_mul_backward(
@@ -207,7 +216,7 @@ def reference_rotary_mul_backward(
     dx = g * r1.float() + _rotate_half_transpose(g * r2.float())
     dr1 = _reduce_to(g * xf, r1.shape)
     dr2 = _reduce_to(g * _rotate_half(xf), r2.shape)
-    return dx.to(x.dtype), dr1.to(r1.dtype), dr2.to(r2.dtype)
+    return _like(dx, x), _like(dr1, r1), _like(dr2, r2)
 
 
 def _fake_rotary_mul(x, r1, r2, rotary_mode="half", rotate=None):

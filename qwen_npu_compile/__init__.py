@@ -7,14 +7,17 @@ package never imports torch_npu; the npu ops are resolved (real or simulated) at
 from .config import ALL_FAMILIES, QwenNpuConfig
 from .npu_ops import NpuOpsStatus, ensure_npu_ops
 from .report import FusionError, GraphReport, get_reports
+from .worker import CompiledLayers, maybe_compile
 
 __all__ = [
     "ALL_FAMILIES",
+    "CompiledLayers",
     "FusionError",
     "GraphReport",
     "NpuOpsStatus",
     "QwenNpuConfig",
     "ensure_npu_ops",
     "get_reports",
+    "maybe_compile",
 ]
 __version__ = "0.1.0"

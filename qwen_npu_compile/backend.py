@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.fx
@@ -134,7 +135,7 @@ def rewrite(gm, example_inputs, config: QwenNpuConfig, status: NpuOpsStatus, dow
                     "to get the fused kernels", name, exc)
         return report, gm
     report.seconds["canonicalize"] = time.perf_counter() - start
-    folder = config.dump_dir / name if config.dump_dir is not None else None
+    folder = dump_root(config) / name if config.dump_dir is not None else None
     if folder is not None:
         report.dump_path = str(folder)
         write_graph_dump(folder, "captured", gm)
@@ -163,6 +164,16 @@ def rewrite(gm, example_inputs, config: QwenNpuConfig, status: NpuOpsStatus, dow
     return report, aten_gm
 
 
+def dump_root(config: QwenNpuConfig) -> Path:
+    """The dump folder of this process: ``dump_dir``, or ``dump_dir/rank<N>`` under torch.distributed
+    (each rank compiles the same graphs and would overwrite the others' files)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return config.dump_dir / f"rank{dist.get_rank()}"
+    return config.dump_dir
+
+
 def publish(report: GraphReport, config: QwenNpuConfig) -> None:
     """Record ``report`` in the process summary, log its line (and the near-miss warning), dump it."""
     SUMMARY.add(report)
@@ -174,7 +185,7 @@ def publish(report: GraphReport, config: QwenNpuConfig) -> None:
             report.name, "y" if len(missed) == 1 else "ies", missed, [report.anchors[f] for f in missed], _DUMP_HINT,
         )
     if config.dump_dir is not None:
-        write_report(report, config.dump_dir)
+        write_report(report, dump_root(config))
 
 
 def _recording_compiler(kind: str, report: GraphReport, config: QwenNpuConfig):
@@ -183,8 +194,8 @@ def _recording_compiler(kind: str, report: GraphReport, config: QwenNpuConfig):
     def compiler(gm: torch.fx.GraphModule, example_inputs):
         report.aot_ops[kind] = npu_op_counts(gm.graph)
         if config.dump_dir is not None:
-            write_graph_dump(config.dump_dir / report.name, f"aot_{kind}", gm)
-            write_report(report, config.dump_dir)
+            write_graph_dump(dump_root(config) / report.name, f"aot_{kind}", gm)
+            write_report(report, dump_root(config))
         return make_boxed_func(gm.forward)
 
     return compiler

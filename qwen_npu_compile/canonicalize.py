@@ -15,6 +15,7 @@ tensor cast to fp32) are removed. The same normalisation runs on every traced pa
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -47,6 +48,11 @@ def _fake_inputs(example_inputs: Sequence[object], fake_mode) -> list[object]:
     return [fake_mode.from_tensor(value) if isinstance(value, torch.Tensor) else value for value in example_inputs]
 
 
+def _saved_tensors_hooks_disabled():
+    disable = getattr(torch._dynamo.utils, "_disable_saved_tensors_hooks_during_tracing", None)
+    return disable() if disable is not None else contextlib.nullcontext()
+
+
 def to_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> torch.fx.GraphModule:
     """Retrace a Dynamo GraphModule into the normalised pre-autograd ATen graph.
 
@@ -64,7 +70,9 @@ def to_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) ->
     def run(*args):
         return torch.fx.Interpreter(gm).run(*args)
 
-    with torch.fx.traceback.preserve_node_meta(), fake_mode:
+    # Saved-tensor hooks of an enclosing non-reentrant checkpoint / activation offload must not see
+    # the retrace's fake saves (AOTAutograd guards its own tracing the same way).
+    with torch.fx.traceback.preserve_node_meta(), fake_mode, _saved_tensors_hooks_disabled():
         aten_gm = make_fx(run, pre_dispatch=True)(*fake_args)
     fake_constants = sorted(
         {node.target for node in aten_gm.graph.find_nodes(op="get_attr")

@@ -83,15 +83,16 @@ def qwen_npu_backend(
 
 
 def bind_trailing_inputs(compiled, extra: list[torch.Tensor]):
-    """Wrap ``compiled`` so that ``extra`` is passed after the caller's inputs (boxed or not)."""
-    if getattr(compiled, "_boxed_call", False):
+    """Wrap ``compiled`` so that ``extra`` is passed after the caller's inputs.
 
-        def boxed(args):
-            return compiled([*args, *extra])
+    Dynamo calls a backend's result as ``fn(*args)``. (``_boxed_call`` is not a reliable signal here:
+    ``functools.wraps`` copies it onto AOTAutograd's unboxed ``forward``.)
+    """
 
-        boxed._boxed_call = True
-        return boxed
-    return lambda *args: compiled(*args, *extra)
+    def run(*args):
+        return compiled(*args, *extra)
+
+    return run
 
 
 def resolve_downstream(config: QwenNpuConfig, status: NpuOpsStatus) -> str:

@@ -1,0 +1,17 @@
+# Developer shortcuts. `make test` is the README's test command; `make bench` reruns the performance
+# evidence (benchmarks/README_section.md) and writes benchmarks/results/*.json and summary.md.
+PYTHON ?= python
+BENCH_OUT ?= benchmarks/results
+BENCH_QUICK_OUT ?= /tmp/qwen_npu_bench_quick
+
+.PHONY: test bench bench-quick
+
+test:
+	$(PYTHON) -m pytest -q
+
+bench:
+	$(PYTHON) -m benchmarks.run --out $(BENCH_OUT)
+
+# Tiny shapes, one repeat: a smoke run in seconds (what tests/test_benchmarks.py checks).
+bench-quick:
+	$(PYTHON) -m benchmarks.run --quick --out $(BENCH_QUICK_OUT)

@@ -1,0 +1,262 @@
+"""Render the benchmark JSON files as ``summary.md`` (markdown tables)."""
+
+from __future__ import annotations
+
+from .common import MIB
+
+_LABELS = {
+    "eager": "eager (no fusion)",
+    "verl": "verl-style patches",
+    "qwen_npu_no_attention": "qwen_npu, no attention",
+    "qwen_npu": "qwen_npu",
+}
+
+
+def _mib(num_bytes: float) -> str:
+    return f"{num_bytes / MIB:,.1f}"
+
+
+def _fusions(entry: dict) -> str:
+    if entry["families"]:
+        return ", ".join(f"{f} {n}" for f, n in entry["fusions_per_layer"].items())
+    return "patched: rms_norm 2, swiglu 1, rotary 2" if entry.get("description", "").startswith("verl") else "-"
+
+
+def _traffic(data: dict) -> list[str]:
+    bw = data["bandwidth"]
+    lines = [
+        "## 1. Kernels and HBM traffic per decoder layer (training: AOT forward + backward)",
+        "",
+        f"Bandwidth for the time estimate: **{bw['bytes_per_second'] / 1e12:.1f} TB/s** ({bw['label']}; "
+        f"{bw['derivation']} Source: {bw['source_url']}).",
+        "",
+        "Per layer = graph(2 layers) − graph(1 layer). Bytes = non-matmul kernels' inputs + outputs (matmuls "
+        "excluded; attention kernels included and also shown apart). ×LB = bytes / fused lower bound. "
+        "ms = bytes / bandwidth (traffic floor, no launch overhead, no attention FLOPs).",
+        "",
+    ]
+    for model, m in data["models"].items():
+        shape = m["shape"]
+        lines += [
+            f"### {model}: hidden {shape['hidden_size']}, {shape['num_attention_heads']} heads / "
+            f"{shape['num_key_value_heads']} KV heads (D={shape['head_dim']}), intermediate "
+            f"{shape['intermediate_size']}; B={shape['batch']}, S={shape['seq_len']}, {shape['dtype']}",
+            "",
+            "| variant | fused per layer | kernels fw / bw | non-matmul MiB fw / bw | of which attention MiB | glue MiB | ×LB | est. ms/layer (fw+bw) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for name, entry in m["variants"].items():
+            layer = entry["per_layer"]
+            fw, bw_ = layer["forward"], layer["backward"]
+            attention = fw["bytes"]["attention"] + bw_["bytes"]["attention"]
+            glue = fw["bytes"]["glue"] + bw_["bytes"]["glue"]
+            ratio = entry.get("ratio_to_lower_bound", {}).get("total")
+            ms = entry.get("est_ms_per_layer", {}).get("total")
+            lines.append(
+                f"| {_LABELS.get(name, name)} | {_fusions(entry)} | {fw['kernels']['total']} / {bw_['kernels']['total']} "
+                f"| {_mib(fw['bytes']['non_matmul'])} / {_mib(bw_['bytes']['non_matmul'])} | {_mib(attention)} "
+                f"| {_mib(glue)} | {ratio:.2f} | {ms:.3f} |"
+                if ratio is not None
+                else f"| {_LABELS.get(name, name)} | {_fusions(entry)} | {fw['kernels']['total']} / {bw_['kernels']['total']} "
+                f"| {_mib(fw['bytes']['non_matmul'])} / {_mib(bw_['bytes']['non_matmul'])} | {_mib(attention)} | {_mib(glue)} | - | - |"
+            )
+        lb = m.get("lower_bound")
+        if lb:
+            b = lb["bytes_per_layer"]
+            lines.append(
+                f"| **fused lower bound** | - | - | {_mib(b['forward'])} / {_mib(b['backward'])} | - | 0 | 1.00 "
+                f"| {lb['est_ms_per_layer']['total']:.3f} |"
+            )
+            if not lb["complete"]:
+                lines += [
+                    "",
+                    f"**Warning**: qwen_npu fused only {lb['families_fused_in_reference']} per layer, so this "
+                    "\"lower bound\" still holds the unfused families' subgraphs: the true bound is lower.",
+                ]
+        eager_pf = m["variants"].get("eager", {}).get("per_forward")
+        if eager_pf:
+            pf = eager_pf["forward"]
+            lines += [
+                "",
+                f"Once per forward (all variants alike: position ids, causal mask, rotary cos/sin), not in the "
+                f"table: {pf['kernels']['total']} kernels, {_mib(pf['bytes']['non_matmul'])} MiB.",
+            ]
+        lines += ["", *_where_bytes_go(m), ""]
+    lines += _findings(data)
+    return lines
+
+
+def _where_bytes_go(m: dict, top: int = 12) -> list[str]:
+    variants = [v for v in ("eager", "verl", "qwen_npu") if v in m["variants"]]
+    totals: dict[str, dict[str, int]] = {}
+    glue: dict[str, dict[str, int]] = {}
+    for v in variants:
+        for kind in ("forward", "backward"):
+            for op, row in m["variants"][v]["per_layer"][kind]["by_op"].items():
+                if row["category"] == "matmul":
+                    continue
+                totals.setdefault(op, {}).setdefault(v, 0)
+                totals[op][v] += row["bytes_read"] + row["bytes_written"]
+                glue.setdefault(op, {}).setdefault(v, 0)
+                glue[op][v] += row["glue_bytes"]
+    ranked = sorted(totals, key=lambda op: -max(totals[op].values()))[:top]
+    lines = [
+        f"Where the bytes go (per layer, fw+bw, MiB; top {len(ranked)} ops; *g* = of which glue):",
+        "",
+        "| op | " + " | ".join(_LABELS[v] for v in variants) + " |",
+        "|---|" + "---|" * len(variants),
+    ]
+    for op in ranked:
+        cells = []
+        for v in variants:
+            value = totals[op].get(v, 0)
+            g = glue[op].get(v, 0)
+            cells.append(f"{_mib(value)}" + (f" (*g* {_mib(g)})" if g else "") if value else "-")
+        lines.append(f"| `{op}` | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _glue_by_op(entry: dict) -> dict[str, int]:
+    glue: dict[str, int] = {}
+    for kind in ("forward", "backward"):
+        for op, row in entry["per_layer"][kind]["by_op"].items():
+            if row["glue_bytes"]:
+                glue[op] = glue.get(op, 0) + row["glue_bytes"]
+    return glue
+
+
+def _findings(data: dict) -> list[str]:
+    """What the traffic numbers say, computed from them (the README's closing note quotes these)."""
+    bw = data["bandwidth"]["bytes_per_second"]
+    lines = ["### Findings (computed from the tables above)", ""]
+    for model, m in data["models"].items():
+        v = m["variants"]
+        if not {"eager", "qwen_npu"} <= set(v):
+            continue
+        eager, ours = v["eager"], v["qwen_npu"]
+        verl = v.get("verl")
+        parts = [
+            f"**{model}**: qwen_npu moves {eager['bytes_per_layer']['total'] / ours['bytes_per_layer']['total']:.2f}x "
+            f"fewer non-matmul bytes per layer than eager ({eager['ratio_to_lower_bound']['total']:.2f}x -> "
+            f"{ours['ratio_to_lower_bound']['total']:.2f}x the fused lower bound"
+            + (f"; verl-style {verl['ratio_to_lower_bound']['total']:.2f}x" if verl else "")
+            + f") and launches {eager['kernels_per_layer']['forward'] + eager['kernels_per_layer']['backward']} -> "
+            f"{ours['kernels_per_layer']['forward'] + ours['kernels_per_layer']['backward']} kernels (fw+bw)."
+        ]
+        sw_e = eager.get("swiglu_forward_bytes_per_layer")
+        sw_f = ours.get("swiglu_forward_bytes_per_layer")
+        if sw_e and sw_f and sw_f["npu_swiglu"]:
+            fused = sw_f["npu_swiglu"] + sw_f["input_glue"]
+            parts.append(
+                f"SwiGLU forward: unfused silu+mul {_mib(sw_e['silu_mul'])} MiB, fused cat+npu_swiglu {_mib(fused)} MiB "
+                f"({(fused / sw_e['silu_mul'] - 1) * 100:+.0f}%; the cat alone {_mib(sw_f['input_glue'])} MiB); "
+                f"npu_swiglu reading a merged gate_up matmul output would move {_mib(sw_f['npu_swiglu'])} MiB."
+            )
+        glue = _glue_by_op(ours)
+        if glue:
+            total = sum(glue.values())
+            listed = ", ".join(f"`{op}` {_mib(b)} MiB" for op, b in sorted(glue.items(), key=lambda kv: -kv[1]))
+            parts.append(
+                f"qwen_npu glue per layer: {listed} = {_mib(total)} MiB, "
+                f"{total / ours['bytes_per_layer']['total'] * 100:.0f}% of its non-matmul bytes, "
+                f"{total / bw * 1e3:.3f} ms/layer at the assumed bandwidth."
+            )
+        lines += [" ".join(parts), ""]
+    return lines
+
+
+def _compile(data: dict) -> list[str]:
+    setup = data["setup"]
+    lines = [
+        "## 2. Compile cost (same process, tiny width, training step)",
+        "",
+        f"{setup['model']}; B={setup['batch']}, S={setup['seq_len']}; median of {setup['repeats']} repeat(s). "
+        "Each sample is one Dynamo capture, on which our canonicalise + fuse (`backend.rewrite`, registration "
+        "excluded: see part 3) and AOTAutograd (`aot_eager`, the baseline) are both timed. Ratios are per "
+        "sample, then the median.",
+        "",
+        "| layers | Dynamo capture s | AOTAutograd s | ours s (canon + fuse) | ours / (capture+AOT) | ours / capture | ours / AOT |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for layers, m in data["medians"].items():
+        lines.append(
+            f"| {layers} | {m['capture_s']:.2f} | {m['aot_s']:.2f} | {m['ours_s']:.2f} "
+            f"({m['canonicalize_s']:.2f} + {m['fuse_s']:.2f}) | {m['ratio_ours_to_capture_aot']:.2f} "
+            f"| {m['ratio_ours_to_capture']:.2f} | {m['ratio_ours_to_aot']:.2f} |"
+        )
+    layers = setup["layers"]
+    lines += [
+        "",
+        f"Growth (least-squares slope over {layers} layers, and the {layers[-1]}-layer / {layers[0]}-layer ratio):",
+        "",
+        "| step | s per layer | ratio |",
+        "|---|---|---|",
+    ]
+    for key, label in (
+        ("capture_s", "Dynamo capture"),
+        ("aot_s", "AOTAutograd"),
+        ("capture_aot_s", "capture + AOT (baseline)"),
+        ("canonicalize_s", "ours: canonicalise"),
+        ("fuse_s", "ours: fuse"),
+        ("ours_s", "ours: canonicalise + fuse"),
+    ):
+        g = data["growth"][key]
+        ratio = g["ratio_last_to_first"]
+        lines.append(f"| {label} | {g['seconds_per_layer']:.3f} | " + (f"{ratio:.1f}× |" if ratio else "- |"))
+    lines += ["", "Notes: " + "; ".join(setup["notes"]) + ".", ""]
+    return lines
+
+
+def _registration(data: dict) -> list[str]:
+    lines = [
+        "## 3. Pattern registration (fresh process)",
+        "",
+        "| family | variants | registration s (first use) | cached call s |",
+        "|---|---|---|---|",
+    ]
+    for family, f in data["per_family"].items():
+        reg = f"{f['registration_s']:.2f}" if f["registration_s"] is not None else "-"
+        lines.append(f"| {family} | {f['variants']} | {reg} | {f['cached_call_s']:.1e} |")
+    first, second = data["first_compile"], data["second_compile"]
+    lines += [
+        f"| **total** | {sum(f['variants'] for f in data['per_family'].values())} | {data['registration_total_s']:.2f} | - |",
+        "",
+        "| compile in one process | total s | fuse s | register_replacement calls |",
+        "|---|---|---|---|",
+        f"| first (model A, 2 layers) | {first['first_s']:.2f} | {first['fuse_s']:.2f} | {first['register_replacement_calls']} |",
+        f"| second (model B, 3 layers, hidden 96) | {second['first_s']:.2f} | {second['fuse_s']:.2f} | {second['register_replacement_calls']} |",
+        "",
+        f"Second compile pays registration again: **{'yes' if data['second_compile_pays_registration'] else 'no'}**.",
+        "",
+    ]
+    return lines
+
+
+def render_summary(loaded: dict[str, dict], total_seconds: float, command: str) -> str:
+    """The markdown summary of whichever result files are present.
+
+    Args:
+        loaded: part name (``traffic``/``compile``/``registration``) -> its JSON payload.
+        total_seconds: wall time of this invocation (seconds).
+        command: the command line that produced this invocation.
+    """
+    meta = next(iter(loaded.values()))["meta"] if loaded else {}
+    versions = meta.get("versions", {})
+    lines = [
+        "# qwen_npu benchmark results",
+        "",
+        f"Produced by `{command}` ({'quick' if meta.get('quick') else 'full'} run, {meta.get('date_utc', '?')}); "
+        f"this invocation took {total_seconds:.0f} s. torch {versions.get('torch')}, transformers "
+        f"{versions.get('transformers')}, npu ops {'simulated' if meta.get('npu_ops', {}).get('simulated') else 'real'}; "
+        f"host: {meta.get('host', {}).get('cpu_count')} CPUs, load average {meta.get('host', {}).get('load_average_1_5_15min')}.",
+        "",
+    ]
+    part_seconds = {part: data["meta"].get("part_seconds") for part, data in loaded.items()}
+    lines += [f"Part wall times (s): {part_seconds}.", ""]
+    if "traffic" in loaded:
+        lines += _traffic(loaded["traffic"])
+    if "compile" in loaded:
+        lines += _compile(loaded["compile"])
+    if "registration" in loaded:
+        lines += _registration(loaded["registration"])
+    return "\n".join(lines).rstrip() + "\n"

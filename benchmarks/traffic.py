@@ -1,0 +1,676 @@
+"""Part 1: kernels and HBM traffic per Qwen2.5 decoder layer: eager vs verl-style vs qwen_npu.
+
+How the graphs are built (no memory needed, B=1, S=4096 at 7B costs ~0.5 GB of host RAM):
+
+1. A :class:`transformers.Qwen2Model` with ``L`` decoder layers is built under a
+   :class:`~torch._subclasses.fake_tensor.FakeTensorMode` (parameters are CPU FakeTensors: shapes,
+   no storage), ``attn_implementation="sdpa"``, bf16, training mode. Its final norm is replaced by
+   ``Identity`` and it is called with ``inputs_embeds`` (requires grad), so that neither the embedding,
+   the final norm nor the LM head is counted, while the rotary cos/sin and the causal mask are built
+   exactly as the model builds them.
+2. ``torch.compile(fullgraph=True)`` with a recording backend: Dynamo's graph goes through
+   :func:`qwen_npu_compile.canonicalize.to_aten_graph`, then the variant's family passes
+   (``get_family_pass(name).apply``), then AOTAutograd (default partitioner, no recomputation, backward
+   compiled eagerly) whose forward and backward compilers record the two graphs. Variants that run the
+   same model code share one Dynamo capture (each gets its own ATen graph, passes and AOT run).
+3. Per layer = graph(L=2) - graph(L=1), op by op; what L=1 has beyond one layer is the once-per-forward
+   work (position ids, causal mask, cos/sin), reported separately as ``per_forward``.
+
+Variants:
+
+* ``eager``: no fusion (canonicalised graph, no pass): what the unpatched model runs.
+* ``verl``: transformers patched like verl (:mod:`benchmarks.verl_patch`): RMSNorm, SwiGLU (via
+  ``cat``) and rotary (on BNSD q/k) fused, attention left to SDPA; no pass of ours runs.
+* ``qwen_npu_no_attention``: our passes for rms_norm, swiglu, rotary (the verl set, our rewrites).
+* ``qwen_npu``: every family in :data:`qwen_npu_compile.config.ALL_FAMILIES`.
+
+Counting rules (:func:`classify`, :func:`node_bytes`):
+
+* A *kernel* is a ``call_function`` node whose target is an ATen/npu ``OpOverload`` returning a tensor,
+  except view ops (``OpOverload.is_view``: view, t, transpose, expand, unsqueeze, squeeze, slice,
+  select, permute, detach, alias, as_strided, split, ...) and :data:`FREE_OPS` (``_unsafe_view`` and
+  allocations without a fill); ``operator.getitem`` and SymInt arithmetic are free too.
+* Kernel categories: ``matmul`` (:data:`MATMUL_OPS`), ``attention`` (SDPA's kernels and
+  ``npu_fusion_attention``/``_grad``, :data:`ATTENTION_OP_NAMES`), ``fused`` (other ``npu`` ops) and
+  ``vector`` (everything else: elementwise, reductions, casts, copies, cat, mask building).
+* Bytes of a kernel = bytes of its tensor inputs (each argument once, broadcast (stride-0) dims
+  counted once: an ``expand``-ed input reads its un-expanded storage) + bytes of its tensor outputs,
+  from ``meta["val"]`` (numel x itemsize). Matmuls are not counted. Attention kernels are reported in
+  their own column: their internal traffic (score tiles) depends on the kernel, and on this CPU host
+  SDPA lowers to ``_scaled_dot_product_flash_attention_for_cpu``, a stand-in for whatever the NPU's
+  SDPA dispatches to.
+* *Glue*: the copies a rewrite or a patch adds for a fused kernel: a ``cat``/``clone``/``_to_copy``/
+  ``logical_not`` whose output feeds a fused npu op (through views), or a ``_to_copy`` of a fused op's
+  output (e.g. npu_rms_norm_backward's fp32 dgamma cast to the weight dtype).
+* *Fused lower bound* (per layer): the qwen_npu graph's non-matmul bytes without its glue: each
+  fused op reads its inputs once and writes its outputs once, and only the work no family covers
+  (residual adds, gradient accumulation, bias-gradient sums) remains.
+* Time estimate: bytes / HBM bandwidth (:data:`BANDWIDTH`): a memory-traffic floor for the non-matmul
+  work, which ignores launch overheads and the attention kernels' FLOPs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.fx
+import transformers
+from torch._subclasses.fake_tensor import FakeTensorMode
+from transformers.models.qwen2 import modeling_qwen2
+
+from qwen_npu_compile import canonicalize, ensure_npu_ops
+from qwen_npu_compile.config import ALL_FAMILIES
+from qwen_npu_compile.fusion import RefusalRecorder
+from qwen_npu_compile.models import resolve_model_config
+
+from .common import MIB, progress
+from .verl_patch import SOURCES as VERL_SOURCES
+from .verl_patch import verl_patches
+
+aten = torch.ops.aten
+
+#: Published HBM bandwidth used for the time estimate. Huawei publishes no memory bandwidth for the
+#: Ascend 910B (Atlas A2) on its product pages; third-party figures range from 0.4 to 2.0 TB/s. We use
+#: 1.6 TB/s per 910B die: TechPowerUp (citing DigiTimes) gives the Ascend 910C, a package of two
+#: 910B-class dies, "eight HBM2E stacks and 3,200 GB/s", i.e. 4 stacks and 1.6 TB/s per die.
+BANDWIDTH = {
+    "bytes_per_second": 1.6e12,
+    "label": "ASSUMPTION: 1.6 TB/s HBM2e per Ascend 910B (Atlas A2) die",
+    "source_url": "https://techpowerup.com/335749/huawei-prepares-6-nm-ascend-920c-accelerator-900-teraflops-4000-gb-s-hbm3",
+    "derivation": (
+        "TechPowerUp (citing DigiTimes, 2025-04-21): Ascend 910C = two 910B-class dies with 'eight HBM2E "
+        "stacks and 3,200 GB/s' -> 1.6 TB/s per die. Huawei publishes no official 910B bandwidth; other "
+        "third-party pages quote 0.4-2.0 TB/s. Times scale as 1.6 TB/s / your bandwidth."
+    ),
+}
+
+#: Matrix multiplications: not counted in bytes (compute-bound at these shapes, identical in every variant).
+MATMUL_OPS = frozenset(
+    {
+        aten.mm.default,
+        aten.bmm.default,
+        aten.addmm.default,
+        aten.baddbmm.default,
+        aten.linear.default,
+        aten.matmul.default,
+        aten.mv.default,
+        aten.addmv.default,
+        aten.dot.default,
+    }
+)
+
+#: Attention kernels (schema names): SDPA and what it lowers to, and the fused NPU attention.
+ATTENTION_OP_NAMES = frozenset(
+    {
+        "aten::scaled_dot_product_attention",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+        "aten::_scaled_dot_product_flash_attention",
+        "aten::_scaled_dot_product_flash_attention_backward",
+        "aten::_scaled_dot_product_efficient_attention",
+        "aten::_scaled_dot_product_efficient_attention_backward",
+        "aten::_scaled_dot_product_cudnn_attention",
+        "aten::_scaled_dot_product_cudnn_attention_backward",
+        "aten::_flash_attention_forward",
+        "aten::_flash_attention_backward",
+        "aten::_efficient_attention_forward",
+        "aten::_efficient_attention_backward",
+        "npu::npu_fusion_attention",
+        "npu::npu_fusion_attention_grad",
+    }
+)
+
+#: Non-view ops that move no data: a view of a fresh tensor, and allocations without a fill.
+FREE_OPS = frozenset(
+    {
+        aten._unsafe_view.default,
+        aten.empty.memory_format,
+        aten.empty_strided.default,
+        aten.empty_like.default,
+        aten.new_empty.default,
+        aten.new_empty_strided.default,
+        aten.lift_fresh.default,
+    }
+)
+
+#: Copies that count as glue when they touch a fused npu op (see the module docstring).
+GLUE_OP_NAMES = frozenset({"aten::cat", "aten::clone", "aten::_to_copy", "aten::logical_not", "aten::copy"})
+
+CATEGORIES = ("matmul", "attention", "fused", "vector")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One way of running the model: which passes run, and whether verl's monkey patches are on."""
+
+    name: str
+    families: tuple[str, ...]
+    verl: bool
+    description: str
+
+
+VARIANTS = (
+    Variant("eager", (), False, "no fusion: the canonicalised graph of the unpatched model"),
+    Variant(
+        "verl",
+        (),
+        True,
+        "verl-style monkey patches (RMSNorm, SwiGLU via cat, rotary on BNSD q/k fused; attention left to SDPA)",
+    ),
+    Variant(
+        "qwen_npu_no_attention",
+        ("rms_norm", "swiglu", "rotary"),
+        False,
+        "qwen_npu with the verl set of families (rms_norm, swiglu, rotary): our rewrites, attention left to SDPA",
+    ),
+    Variant("qwen_npu", tuple(ALL_FAMILIES), False, "qwen_npu, every family (rms_norm, swiglu, rotary, attention)"),
+)
+HEADLINE_VARIANTS = ("eager", "verl", "qwen_npu")
+
+
+# ----------------------------------------------------------------------------------------------------
+# counting
+
+
+def _tensors(value) -> Iterable[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def _node_args(node: torch.fx.Node) -> Iterable[torch.fx.Node]:
+    stack = [*node.args, *node.kwargs.values()]
+    while stack:
+        item = stack.pop(0)
+        if isinstance(item, torch.fx.Node):
+            yield item
+        elif isinstance(item, (list, tuple)):
+            stack[:0] = list(item)
+
+
+def classify(node: torch.fx.Node) -> str | None:
+    """The kernel category of ``node`` (one of :data:`CATEGORIES`), ``"free"``, or None (not a call)."""
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return "free"  # operator.getitem, SymInt arithmetic
+    if target.is_view or target in FREE_OPS:
+        return "free"
+    if not any(True for _ in _tensors(node.meta.get("val"))):
+        return "free"  # sym_size & co, ops returning only scalars
+    if target in MATMUL_OPS:
+        return "matmul"
+    if target._schema.name in ATTENTION_OP_NAMES:
+        return "attention"
+    if target.namespace == "npu":
+        return "fused"
+    return "vector"
+
+
+def _unique_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a kernel reads from ``tensor``: broadcast (stride-0) dims count once."""
+    sizes = [int(size) for size in tensor.shape]
+    if any(size == 0 for size in sizes):
+        return 0
+    numel = 1
+    for size, stride in zip(sizes, tensor.stride()):
+        if int(stride) != 0:
+            numel *= size
+    return numel * tensor.element_size()
+
+
+def node_bytes(node: torch.fx.Node) -> tuple[int, int]:
+    """``(bytes read, bytes written)`` by ``node`` (see the module docstring for the rules)."""
+    read = 0
+    for arg in _node_args(node):
+        for tensor in _tensors(arg.meta.get("val")):
+            read += _unique_bytes(tensor)
+    written = sum(int(t.numel()) * t.element_size() for t in _tensors(node.meta.get("val")))
+    return read, written
+
+
+def _is_fused(node: torch.fx.Node) -> bool:
+    return (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and node.target.namespace == "npu"
+    )
+
+
+def _feeds_fused(node: torch.fx.Node) -> bool:
+    stack, seen = list(node.users), set()
+    while stack:
+        user = stack.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        if _is_fused(user):
+            return True
+        if classify(user) == "free":
+            stack.extend(user.users)
+    return False
+
+
+def _fed_by_fused(node: torch.fx.Node) -> bool:
+    stack, seen = list(_node_args(node)), set()
+    while stack:
+        arg = stack.pop()
+        if arg in seen:
+            continue
+        seen.add(arg)
+        if _is_fused(arg):
+            return True
+        if classify(arg) == "free":
+            stack.extend(_node_args(arg))
+    return False
+
+
+def is_glue(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a copy made for a fused npu op (see the module docstring).
+
+    Input glue: a cat/clone/_to_copy/logical_not whose output feeds a fused op (through views).
+    Output glue: a ``_to_copy`` (dtype cast) of a fused op's output. A clone *of* a fused op's output
+    that feeds something else (repeat_kv after a fused rotary) is ordinary work, not glue.
+    """
+    if classify(node) != "vector" or node.target._schema.name not in GLUE_OP_NAMES:
+        return False
+    return _feeds_fused(node) or (node.target._schema.name == "aten::_to_copy" and _fed_by_fused(node))
+
+
+def op_name(node: torch.fx.Node) -> str:
+    """``aten.add.Tensor`` / ``npu.npu_rms_norm.default``: the key of the per-op tables."""
+    return str(node.target)
+
+
+def graph_counts(gm: torch.fx.GraphModule) -> dict[str, dict]:
+    """Per op of ``gm``: category, kernels, bytes read/written, glue kernels/bytes (free ops omitted)."""
+    table: dict[str, dict] = {}
+    for node in gm.graph.nodes:
+        category = classify(node)
+        if category in (None, "free"):
+            continue
+        row = table.setdefault(
+            op_name(node),
+            {"category": category, "kernels": 0, "bytes_read": 0, "bytes_written": 0, "glue_kernels": 0, "glue_bytes": 0},
+        )
+        row["kernels"] += 1
+        if category == "matmul":
+            continue
+        read, written = node_bytes(node)
+        row["bytes_read"] += read
+        row["bytes_written"] += written
+        if is_glue(node):
+            row["glue_kernels"] += 1
+            row["glue_bytes"] += read + written
+    return table
+
+
+def swiglu_forward_bytes(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """Bytes of the SwiGLU elementwise work in a forward graph (matmuls excluded).
+
+    Unfused: ``silu(gate)`` plus the ``mul`` consuming it; fused: ``npu_swiglu`` plus the glue copies
+    feeding it (the ``cat`` of gate and up). In a 1-layer graph this is exactly one layer's MLP.
+
+    Returns:
+        ``{"silu_mul": bytes, "npu_swiglu": bytes, "input_glue": bytes}``.
+    """
+    out = {"silu_mul": 0, "npu_swiglu": 0, "input_glue": 0}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if node.target is aten.silu.default:
+            out["silu_mul"] += sum(node_bytes(node))
+            out["silu_mul"] += sum(sum(node_bytes(u)) for u in node.users if u.target is aten.mul.Tensor)
+        elif node.target._schema.name == "npu::npu_swiglu":
+            out["npu_swiglu"] += sum(node_bytes(node))
+            stack, seen = list(_node_args(node)), set()
+            while stack:
+                arg = stack.pop()
+                if arg in seen:
+                    continue
+                seen.add(arg)
+                if is_glue(arg):
+                    out["input_glue"] += sum(node_bytes(arg))
+                elif classify(arg) == "free":
+                    stack.extend(_node_args(arg))
+    return out
+
+
+_NUMERIC = ("kernels", "bytes_read", "bytes_written", "glue_kernels", "glue_bytes")
+
+
+def subtract(big: dict[str, dict], small: dict[str, dict]) -> dict[str, dict]:
+    """Op-by-op ``big - small`` (zero rows dropped)."""
+    out = {}
+    for name in sorted(set(big) | set(small)):
+        a, b = big.get(name), small.get(name)
+        category = (a or b)["category"]
+        row = {"category": category}
+        for key in _NUMERIC:
+            row[key] = (a[key] if a else 0) - (b[key] if b else 0)
+        if any(row[key] for key in _NUMERIC):
+            out[name] = row
+    return out
+
+
+def summarize(table: dict[str, dict]) -> dict:
+    """Totals of a per-op table: kernels by category, non-matmul bytes split attention / rest, glue."""
+    kernels = Counter()
+    bytes_by = Counter()
+    glue = Counter()
+    for row in table.values():
+        kernels[row["category"]] += row["kernels"]
+        moved = row["bytes_read"] + row["bytes_written"]
+        bytes_by[row["category"]] += moved
+        glue["kernels"] += row["glue_kernels"]
+        glue["bytes"] += row["glue_bytes"]
+    non_matmul = bytes_by["attention"] + bytes_by["fused"] + bytes_by["vector"]
+    return {
+        "kernels": {"total": sum(kernels.values()), **{c: kernels[c] for c in CATEGORIES}},
+        "bytes": {
+            "non_matmul": non_matmul,
+            "attention": bytes_by["attention"],
+            "vector_and_fused": bytes_by["fused"] + bytes_by["vector"],
+            "glue": glue["bytes"],
+        },
+        "glue_kernels": glue["kernels"],
+    }
+
+
+def has_negative(table: dict[str, dict]) -> list[str]:
+    """Ops whose per-layer difference went negative (the layer split is then not clean)."""
+    return [name for name, row in table.items() if any(row[key] < 0 for key in _NUMERIC)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# graph building
+
+
+def _config_with_layers(config: transformers.Qwen2Config, layers: int) -> transformers.Qwen2Config:
+    data = config.to_dict()
+    data["num_hidden_layers"] = layers
+    data["use_cache"] = False
+    if isinstance(data.get("layer_types"), list):
+        data["layer_types"] = data["layer_types"][:layers]
+    return transformers.Qwen2Config.from_dict(data)
+
+
+def _modelled_target():
+    """Run the checks as they would run for an Ascend host (torchair downstream, real ops), if supported."""
+    from qwen_npu_compile import fusion
+
+    if hasattr(fusion, "targeting") and hasattr(fusion, "CompileTarget"):
+        return fusion.targeting(fusion.CompileTarget("torchair", False))
+    return contextlib.nullcontext()
+
+
+def build_graphs(
+    config: transformers.Qwen2Config,
+    layers: int,
+    variants: Sequence[Variant],
+    batch: int,
+    seq: int,
+    dtype: torch.dtype,
+) -> dict[str, dict]:
+    """Capture ``layers`` decoder layers once under fake tensors; return each variant's AOT graphs.
+
+    The variants share one Dynamo capture (they must agree on ``verl``: the patches change the model
+    code); each gets its own canonical ATen graph, its passes and its AOTAutograd run, with the
+    backward compiled eagerly (``force_non_lazy_backward_lowering``), so nothing has to run.
+
+    Args:
+        config: the full model config (only its shapes are used).
+        layers: decoder layers to build (1 or 2 here).
+        variants: the variants to build from this capture.
+        batch: B; seq: S (tokens).
+        dtype: parameter and activation dtype.
+
+    Returns:
+        Per variant name: ``{"forward": GraphModule, "backward": GraphModule, "fusions": {family: count},
+        "refusals": [reason, ...]}``, plus ``"seconds"`` (wall time of the whole capture, float).
+
+    Raises:
+        ValueError: the variants disagree on ``verl``.
+        RuntimeError: AOTAutograd did not hand over both graphs.
+    """
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch import config as functorch_config
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    from qwen_npu_compile.patterns import get_family_pass
+
+    if len({v.verl for v in variants}) != 1:
+        raise ValueError("variants sharing one capture must agree on the verl patches")
+    ensure_npu_ops()
+    cfg = _config_with_layers(config, layers)
+    captured: dict[str, dict] = {v.name: {"fusions": {}, "refusals": []} for v in variants}
+
+    def record(slot: dict, kind: str):
+        def compiler(gm: torch.fx.GraphModule, example_inputs):
+            slot[kind] = gm
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        fake_mode = torch._guards.detect_fake_mode(example_inputs)
+        for variant in variants:
+            slot = captured[variant.name]
+            aten_gm = canonicalize.to_aten_graph(gm, example_inputs)
+            recorder = RefusalRecorder()
+            with _modelled_target():
+                for family in ALL_FAMILIES:
+                    if family in variant.families:
+                        slot["fusions"][family] = get_family_pass(family).apply(aten_gm, recorder)
+            aten_gm.graph.eliminate_dead_code()
+            aten_gm.graph.lint()
+            aten_gm.recompile()
+            slot["refusals"] = sorted(
+                {f"{r.family}: {r.reason}" for r in recorder.live(aten_gm.graph) if r.family in variant.families}
+            )
+            inputs = list(example_inputs)
+            if hasattr(canonicalize, "lift_tensor_constants"):  # as backend.hand_off does (transformers 4.x)
+                inputs += [fake_mode.from_tensor(c) for c in canonicalize.lift_tensor_constants(aten_gm)]
+            with functorch_config.patch(force_non_lazy_backward_lowering=True):
+                aot_autograd(fw_compiler=record(slot, "forward"), bw_compiler=record(slot, "backward"))(aten_gm, inputs)
+        return gm.forward  # both graphs are recorded; Dynamo runs the captured graph once, on fake tensors
+
+    start = time.perf_counter()
+    torch._dynamo.reset()
+    patches = verl_patches() if variants[0].verl else contextlib.nullcontext()
+    with patches:
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake_mode:
+            model = modeling_qwen2.Qwen2Model._from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+            inputs_embeds = torch.empty(batch, seq, cfg.hidden_size, dtype=dtype, requires_grad=True)
+        model.norm = torch.nn.Identity()  # count decoder layers only (no final norm)
+        model.train()
+        torch.compile(model, backend=backend, fullgraph=True)(inputs_embeds=inputs_embeds)
+    torch._dynamo.reset()
+    for name, slot in captured.items():
+        if "forward" not in slot or "backward" not in slot:
+            raise RuntimeError(f"{name}: AOTAutograd did not hand over both graphs ({sorted(slot)})")
+    return {**captured, "seconds": time.perf_counter() - start}
+
+
+def per_layer_tables(config, variants: Sequence[Variant], batch: int, seq: int, dtype: torch.dtype) -> dict:
+    """Per-op tables per layer and per forward, for the forward and backward graphs of each variant.
+
+    Variants are grouped by ``verl`` so that each group costs one Dynamo capture per layer count.
+
+    Returns:
+        Per variant name: ``{"per_layer": {"forward": table, "backward": table}, "per_forward": {...},
+        "fusions_per_layer": {family: count}, "refusals": [...], "seconds": float}`` (seconds: of its group).
+    """
+    results = {}
+    for verl in (False, True):
+        group = [v for v in variants if v.verl == verl]
+        if not group:
+            continue
+        names = ", ".join(v.name for v in group)
+        progress(f"traffic:   capture L=1 and L=2 for {names} ...")
+        one = build_graphs(config, 1, group, batch, seq, dtype)
+        two = build_graphs(config, 2, group, batch, seq, dtype)
+        for variant in group:
+            g1, g2 = one[variant.name], two[variant.name]
+            result = {"per_layer": {}, "per_forward": {}, "seconds": one["seconds"] + two["seconds"]}
+            for kind in ("forward", "backward"):
+                t1, t2 = graph_counts(g1[kind]), graph_counts(g2[kind])
+                layer = subtract(t2, t1)
+                result["per_layer"][kind] = layer
+                result["per_forward"][kind] = subtract(t1, layer)
+                bad = has_negative(layer) + has_negative(result["per_forward"][kind])
+                if bad:
+                    raise RuntimeError(f"{variant.name} {kind}: per-layer split went negative for {bad}")
+            result["fusions_per_layer"] = {f: g2["fusions"][f] - g1["fusions"][f] for f in g1["fusions"]}
+            result["swiglu_forward"] = swiglu_forward_bytes(g1["forward"])
+            result["refusals"] = g2["refusals"]
+            results[variant.name] = result
+    return {v.name: results[v.name] for v in variants}
+
+
+# ----------------------------------------------------------------------------------------------------
+# the report
+
+
+def model_shape(config, batch: int, seq: int, dtype: torch.dtype) -> dict:
+    """The shape fields a reader needs to check the numbers."""
+    heads = config.num_attention_heads
+    return {
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+        "batch": batch,
+        "seq_len": seq,
+        "dtype": str(dtype).replace("torch.", ""),
+    }
+
+
+def _ms(num_bytes: float) -> float:
+    return num_bytes / BANDWIDTH["bytes_per_second"] * 1e3
+
+
+def measure_model(
+    name: str, config, batch: int, seq: int, dtype: torch.dtype, variants: Iterable[Variant] = VARIANTS
+) -> dict:
+    """Every variant of one model: per-layer kernels, bytes, ratio to the fused lower bound, ms.
+
+    Args:
+        name: label in the results (a preset name).
+        config: its :class:`transformers.Qwen2Config`.
+        batch, seq: B and S.
+        dtype: bf16 in the real runs.
+        variants: which :class:`Variant` objects (the lower bound needs ``qwen_npu``).
+    """
+    out = {"shape": model_shape(config, batch, seq, dtype), "variants": {}}
+    variants = list(variants)
+    progress(f"traffic: {name} B={batch} S={seq} ({', '.join(v.name for v in variants)}; fake tensors) ...")
+    all_tables = per_layer_tables(config, variants, batch, seq, dtype)
+    for variant in variants:
+        tables = all_tables[variant.name]
+        entry = {
+            "description": variant.description,
+            "families": list(variant.families),
+            "fusions_per_layer": tables["fusions_per_layer"],
+            "refusals": tables["refusals"],
+            "capture_seconds": round(tables["seconds"], 2),
+            "swiglu_forward_bytes_per_layer": tables["swiglu_forward"],
+            "per_layer": {},
+            "per_forward": {},
+        }
+        for scope in ("per_layer", "per_forward"):
+            for kind in ("forward", "backward"):
+                entry[scope][kind] = {**summarize(tables[scope][kind]), "by_op": tables[scope][kind]}
+        out["variants"][variant.name] = entry
+        layer = entry["per_layer"]
+        progress(
+            f"traffic: {name} {variant.name}: fused {tables['fusions_per_layer'] or '-'}; per layer fw/bw "
+            f"{layer['forward']['kernels']['total']}/{layer['backward']['kernels']['total']} kernels, "
+            f"{layer['forward']['bytes']['non_matmul'] / MIB:.0f}/{layer['backward']['bytes']['non_matmul'] / MIB:.0f} MiB "
+            "non-matmul"
+        )
+
+    reference = out["variants"].get("qwen_npu")
+    if reference is None:
+        return out
+    bound = {}
+    for kind in ("forward", "backward"):
+        b = reference["per_layer"][kind]["bytes"]
+        bound[kind] = b["non_matmul"] - b["glue"]
+    bound["total"] = bound["forward"] + bound["backward"]
+    out["lower_bound"] = {
+        "definition": "qwen_npu per-layer non-matmul bytes minus its glue copies: every fused op reads its "
+        "inputs once and writes its outputs once; only work no family covers (residual adds, gradient "
+        "accumulation, bias-gradient sums) remains",
+        "families_fused_in_reference": reference["fusions_per_layer"],
+        # a family that fused nothing leaves its unfused subgraph in the bound: then it is no bound
+        "complete": all(reference["fusions_per_layer"].get(f, 0) > 0 for f in ALL_FAMILIES),
+        "bytes_per_layer": bound,
+        "est_ms_per_layer": {k: _ms(v) for k, v in bound.items()},
+    }
+    for entry in out["variants"].values():
+        moved = {k: entry["per_layer"][k]["bytes"]["non_matmul"] for k in ("forward", "backward")}
+        moved["total"] = moved["forward"] + moved["backward"]
+        entry["bytes_per_layer"] = moved
+        entry["ratio_to_lower_bound"] = {k: moved[k] / bound[k] for k in moved}
+        entry["est_ms_per_layer"] = {k: _ms(v) for k, v in moved.items()}
+        entry["kernels_per_layer"] = {
+            k: entry["per_layer"][k]["kernels"]["total"] for k in ("forward", "backward")
+        }
+    return out
+
+
+def run(quick: bool = False) -> dict:
+    """Part 1 for Qwen2.5-0.5B and Qwen2.5-7B at B=1, S=4096, bf16.
+
+    Args:
+        quick: a tiny model (hidden 64) at S=64 and only the headline variants (eager, verl, qwen_npu).
+
+    Returns:
+        The ``kernel_traffic.json`` payload (without run metadata).
+    """
+    dtype = torch.bfloat16
+    if quick:
+        tiny = transformers.Qwen2Config(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, use_cache=False,
+        )  # fmt: skip
+        models = [("tiny-h64", tiny, 1, 64)]
+        variants = tuple(v for v in VARIANTS if v.name in HEADLINE_VARIANTS)
+    else:
+        variants = VARIANTS
+        models = [(preset, resolve_model_config(preset), 1, 4096) for preset in ("qwen2.5-0.5b", "qwen2.5-7b")]
+    result = {
+        "bandwidth": BANDWIDTH,
+        "verl_patch_sources": list(VERL_SOURCES),
+        "variants": {v.name: v.description for v in VARIANTS},
+        "definitions": {
+            "kernel": "call_function node on an ATen/npu OpOverload that returns a tensor, excluding view ops "
+            "(OpOverload.is_view) and _unsafe_view/empty*/lift_fresh; getitem and SymInt ops are free",
+            "bytes": "tensor inputs (stride-0 broadcast dims once) + tensor outputs, numel x itemsize from "
+            "meta['val']; matmuls (mm/bmm/addmm/baddbmm/linear/matmul) not counted",
+            "attention": "SDPA kernels (here _scaled_dot_product_flash_attention_for_cpu[_backward]) and "
+            "npu_fusion_attention[_grad]: counted in non_matmul bytes but also shown apart, since SDPA's "
+            "internal traffic depends on the kernel",
+            "glue": "cat/clone/_to_copy/logical_not whose output feeds a fused npu op (through views), or a "
+            "_to_copy of a fused op's output",
+            "per_layer": "graph(L=2) - graph(L=1), op by op; per_forward = graph(L=1) - per_layer (position "
+            "ids, causal mask, rotary cos/sin: once per forward, shared by all layers)",
+            "est_ms": "bytes / bandwidth: memory-traffic floor of the non-matmul work; no launch overhead",
+            "partitioner": "AOTAutograd default partitioner (saves activations, no recomputation)",
+        },
+        "models": {},
+    }
+    for name, config, batch, seq in models:
+        result["models"][name] = measure_model(name, config, batch, seq, dtype, variants)
+    return result

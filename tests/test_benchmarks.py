@@ -1,0 +1,141 @@
+"""Smoke test of the benchmarks (``python -m benchmarks.run --quick``): files, keys, exact counts.
+
+Runs in-process (the registration part still spawns its fresh child), on tiny shapes, into tmp_path.
+The kernel counts asserted here are exact per-layer relations that a silently broken pass, counter or
+layer split cannot satisfy: one Qwen2 decoder layer holds 2 RMSNorms, 1 SwiGLU, 2 rotary applications
+(q and k) and 1 attention.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from transformers.models.qwen2 import modeling_qwen2
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # plain `pytest` does not put the repository root on sys.path
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import run as bench_run  # noqa: E402
+
+FILES = ("kernel_traffic.json", "compile_cost.json", "registration_cost.json", "summary.md")
+META_KEYS = {"command", "versions", "npu_ops", "host", "quick", "part_seconds"}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    originals = (
+        modeling_qwen2.Qwen2RMSNorm.forward,
+        modeling_qwen2.Qwen2MLP.forward,
+        modeling_qwen2.apply_rotary_pos_emb,
+    )
+    assert bench_run.main(["--quick", "--out", str(out)]) == 0
+    # the verl-style patches must not leak out of the benchmark
+    assert (
+        modeling_qwen2.Qwen2RMSNorm.forward,
+        modeling_qwen2.Qwen2MLP.forward,
+        modeling_qwen2.apply_rotary_pos_emb,
+    ) == originals
+    return {name: (out / name) for name in FILES}
+
+
+def _load(results, name):
+    return json.loads(results[name].read_text())
+
+
+def _kernels(layer: dict, op: str) -> int:
+    row = layer["by_op"].get(op)
+    return row["kernels"] if row else 0
+
+
+def test_files_and_metadata(results):
+    for name, path in results.items():
+        assert path.exists(), name
+    for name in FILES[:3]:
+        data = _load(results, name)
+        assert META_KEYS <= set(data["meta"]), name
+        assert data["meta"]["quick"] is True
+        assert data["meta"]["npu_ops"]["simulated"] in (True, False)
+        assert data["meta"]["versions"]["torch"]
+        assert "benchmarks.run" in data["meta"]["command"]
+    summary = results["summary.md"].read_text()
+    for heading in ("## 1. Kernels and HBM traffic", "## 2. Compile cost", "## 3. Pattern registration"):
+        assert heading in summary
+
+
+def test_kernel_traffic_counts(results):
+    data = _load(results, "kernel_traffic.json")
+    assert {"bandwidth", "definitions", "models"} <= set(data)
+    assert data["bandwidth"]["source_url"].startswith("https://")
+    (model,) = data["models"].values()
+    variants = model["variants"]
+    assert set(variants) == {"eager", "verl", "qwen_npu"}
+    for entry in variants.values():
+        assert {"per_layer", "per_forward", "bytes_per_layer", "ratio_to_lower_bound", "est_ms_per_layer"} <= set(entry)
+
+    eager_fw = variants["eager"]["per_layer"]["forward"]
+    eager_bw = variants["eager"]["per_layer"]["backward"]
+    assert _kernels(eager_fw, "aten.rsqrt.default") == 2  # two unfused RMSNorms per layer
+    assert _kernels(eager_fw, "aten.silu.default") == 1
+    assert _kernels(eager_fw, "aten.neg.default") == 2  # rotate_half of q and of k
+    assert eager_fw["kernels"]["fused"] == 0 and eager_bw["kernels"]["fused"] == 0
+    assert eager_fw["kernels"]["attention"] == 1  # one SDPA kernel
+
+    fused = variants["qwen_npu"]
+    assert fused["fusions_per_layer"] == {"rms_norm": 2, "swiglu": 1, "rotary": 2, "attention": 1}
+    fw, bw = fused["per_layer"]["forward"], fused["per_layer"]["backward"]
+    assert _kernels(fw, "npu.npu_rms_norm.default") == 2
+    assert _kernels(bw, "npu.npu_rms_norm_backward.default") == 2
+    assert _kernels(fw, "npu.npu_swiglu.default") == 1
+    assert _kernels(bw, "npu.npu_swiglu_backward.default") == 1
+    assert _kernels(fw, "npu.npu_rotary_mul.default") == 2
+    assert _kernels(bw, "npu.npu_rotary_mul_backward.default") == 2
+    assert _kernels(fw, "npu.npu_fusion_attention.default") == 1
+    assert _kernels(bw, "npu.npu_fusion_attention_grad.default") == 1
+    assert _kernels(fw, "aten.rsqrt.default") == 0 and _kernels(fw, "aten.silu.default") == 0
+    assert _kernels(fw, "aten.cat.default") == 1  # the SwiGLU input cat, counted as glue
+    assert fw["by_op"]["aten.cat.default"]["glue_kernels"] == 1
+
+    verl_fw = variants["verl"]["per_layer"]["forward"]
+    assert _kernels(verl_fw, "npu.npu_rms_norm.default") == 2
+    assert _kernels(verl_fw, "npu.npu_swiglu.default") == 1
+    assert _kernels(verl_fw, "npu.npu_rotary_mul.default") == 2
+    assert verl_fw["kernels"]["attention"] == 1 and _kernels(verl_fw, "npu.npu_fusion_attention.default") == 0
+
+    moved = {name: entry["bytes_per_layer"]["total"] for name, entry in variants.items()}
+    assert moved["eager"] > moved["verl"] > 0
+    assert moved["eager"] > moved["qwen_npu"] > 0
+    bound = model["lower_bound"]["bytes_per_layer"]["total"]
+    assert 0 < bound <= moved["qwen_npu"]
+    assert variants["qwen_npu"]["ratio_to_lower_bound"]["total"] >= 1.0
+    assert variants["eager"]["ratio_to_lower_bound"]["total"] > variants["qwen_npu"]["ratio_to_lower_bound"]["total"]
+
+
+def test_compile_cost_keys(results):
+    data = _load(results, "compile_cost.json")
+    assert {"setup", "samples", "medians", "growth"} <= set(data)
+    layers = [str(n) for n in data["setup"]["layers"]]
+    assert set(data["medians"]) == set(layers)
+    for m in data["medians"].values():
+        assert m["capture_s"] > 0 and m["aot_s"] > 0 and m["ours_s"] > 0
+        assert m["ratio_ours_to_capture_aot"] > 0
+    assert {"capture_s", "aot_s", "capture_aot_s", "ours_s"} <= set(data["growth"])
+    for sample in data["samples"][layers[-1]]:
+        assert sample["graphs"] == 1
+        assert sample["fusions"]["rms_norm"] == 2 * int(layers[-1]) + 1  # 2 per layer + the final norm
+        assert sample["fusions"]["swiglu"] == int(layers[-1])
+
+
+def test_registration_is_once_per_process(results):
+    data = _load(results, "registration_cost.json")
+    assert not any(data["registered_before_first_compile"].values())
+    assert data["first_compile"]["register_replacement_calls"] == sum(
+        f["variants"] for f in data["per_family"].values()
+    ) > 0
+    assert data["second_compile"]["register_replacement_calls"] == 0
+    assert data["second_compile_pays_registration"] is False
+    assert data["registration_total_s"] > 0

@@ -136,13 +136,17 @@ _ACTIVE_RECORDER: contextvars.ContextVar[RefusalRecorder | None] = contextvars.C
 
 
 @contextlib.contextmanager
+def _set_within(var: contextvars.ContextVar, value):
+    token = var.set(value)
+    try:
+        yield value
+    finally:
+        var.reset(token)
+
+
 def recording(recorder: RefusalRecorder):
     """Route the refusals of the checks that run inside this block to ``recorder``."""
-    token = _ACTIVE_RECORDER.set(recorder)
-    try:
-        yield recorder
-    finally:
-        _ACTIVE_RECORDER.reset(token)
+    return _set_within(_ACTIVE_RECORDER, recorder)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,14 +167,9 @@ _ACTIVE_TARGET: contextvars.ContextVar[CompileTarget | None] = contextvars.Conte
 )
 
 
-@contextlib.contextmanager
 def targeting(target: CompileTarget):
     """Make ``target`` what :func:`current_target` returns inside this block (``backend.rewrite`` sets it)."""
-    token = _ACTIVE_TARGET.set(target)
-    try:
-        yield target
-    finally:
-        _ACTIVE_TARGET.reset(token)
+    return _set_within(_ACTIVE_TARGET, target)
 
 
 def current_target() -> CompileTarget | None:

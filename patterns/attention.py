@@ -607,7 +607,12 @@ class AttentionFamily(FusionFamily):
                     )
         # Eager: aten.dropout is always in the graph, its train flag baked in (it decides what p means);
         # half precision casts the fp32 softmax back to q's dtype, a no-op removed in fp32 graphs.
-        precisions = {"half": (torch.bfloat16, "fp16/bf16, softmax cast back"), "fp32": (torch.float32, "fp32")}
+        # One variant per half dtype: the prebuilt exact pattern bakes in the cast's dtype literal.
+        precisions = {
+            "bf16": (torch.bfloat16, "bf16, softmax cast back"),
+            "fp16": (torch.float16, "fp16, softmax cast back"),
+            "fp32": (torch.float32, "fp32"),
+        }
         for kv in ("repeat_kv", "repeat_kv_symbolic", "mha"):
             for label, (dtype, precision_why) in precisions.items():
                 for train in (True, False):

@@ -371,5 +371,19 @@ def test_every_variant_is_registered_once(npu_ops):
     family_pass.ensure_registered()
     entries = sum(len(v) for v in family_pass.matcher.patterns.values())
     names = [variant.name for variant in family_pass.variants]
-    assert entries == len(names) == len(set(names)) == 36  # none silently dropped as a duplicate
+    assert entries == len(names) == len(set(names)) == 42  # none silently dropped as a duplicate
     assert all(variant.why for variant in family_pass.variants)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_fp16_fuses_every_family(npu_ops, attn):
+    """fp16 has its own eager-attention variant (the softmax cast back bakes in the dtype)."""
+    model = tiny_qwen2(torch.float16, attn=attn).eval()
+    ids = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        eager = model(ids).logits.float()
+        compiled = torch.compile(model, backend="qwen_npu")(ids).logits.float()
+    assert ((compiled - eager).norm() / eager.norm()).item() < 1e-2
+    (report,) = get_reports()
+    assert report.fusions == {"rms_norm": 5, "swiglu": 2, "rotary": 4, "attention": 2}
+    assert [r for r in report.refused if r.family in report.families] == []

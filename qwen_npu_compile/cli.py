@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ALL_FAMILIES, DOWNSTREAMS, parse_fusions
+from .config import ALL_FAMILIES, DOWNSTREAMS, QwenNpuConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -82,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="parameter dtype (default bf16)")
     check.add_argument("--mode", choices=("train", "infer"), default="train", help="train adds the backward (default)")
     check.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa", help="attn_implementation (default sdpa)")
-    check.add_argument("--fusions", default="all", help=f"families to enable: all, none or a subset of {','.join(ALL_FAMILIES)}")
+    check.add_argument("--fusions", default=None,
+                       help=f"families to enable: all, none or a subset of {','.join(ALL_FAMILIES)} "
+                            "(default: $QWEN_NPU_FUSIONS, else all)")
     check.add_argument("--downstream", choices=DOWNSTREAMS, default=None, help="backend after fusion (default: torchair on NPU, else aot_eager)")
     check.add_argument("--dump-dir", type=Path, default=None, help="write graphs, report.json and summary.json here")
     check.add_argument("--json", type=Path, default=None, dest="json_path", metavar="FILE", help="write the results as JSON")
@@ -174,12 +176,19 @@ def run_check(args: argparse.Namespace) -> dict:
         MemoryError: the estimate exceeds the available memory (message suggests ``--layers``).
     """
     from . import models
+    from .backend import resolve_downstream
     from .npu_ops import ensure_npu_ops
     from .report import get_reports
 
     dtype = DTYPES[args.dtype]
     train = args.mode == "train"
-    fusions = parse_fusions(args.fusions, "--fusions")
+    # Validate every backend setting (options over QWEN_NPU_* env) before building anything.
+    options = {"fusions": args.fusions, "downstream": args.downstream,
+               "dump_dir": str(args.dump_dir) if args.dump_dir is not None else None}
+    options = {key: value for key, value in options.items() if value is not None}
+    backend_config = QwenNpuConfig.from_options(options)
+    resolve_downstream(backend_config, ensure_npu_ops())
+    fusions = backend_config.fusions
     config = models.resolve_model_config(args.model)
     layers = args.layers or config.num_hidden_layers
     if layers > config.num_hidden_layers:
@@ -202,7 +211,8 @@ def run_check(args: argparse.Namespace) -> dict:
     stages.begin(f"building {args.model}: {layers} layers, {args.dtype}, attn={args.attn}, mode={args.mode}")
     model, info = models.build_model(args.model, layers=layers, dtype=dtype, attn=args.attn)
     model.train(train)
-    stages.end(f"{info['num_parameters'] / 1e6:.1f}M parameters, {info['source']} weights; npu ops {status.kind}")
+    weights = {"preset": "random weights", "local-random": "random weights", "local-weights": "weights loaded"}[info["source"]]
+    stages.end(f"{info['num_parameters'] / 1e6:.1f}M parameters, {weights}; npu ops {status.kind}")
 
     generator = torch.Generator().manual_seed(1234)
     input_ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len), generator=generator)
@@ -219,11 +229,6 @@ def run_check(args: argparse.Namespace) -> dict:
         del fp32_model
         stages.end()
 
-    options = {"fusions": sorted(fusions)}
-    if args.dump_dir is not None:
-        options["dump_dir"] = str(args.dump_dir)
-    if args.downstream is not None:
-        options["downstream"] = args.downstream
     first_report = len(get_reports())
     stages.begin(f"compiling with backend='qwen_npu' ({status.kind} npu ops) and running it once")
     torch._dynamo.reset()
@@ -354,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, MemoryError) as exc:
         print(f"qwen-npu-compile: error: {exc}", file=sys.stderr)
         return 2
+    except torch._dynamo.exc.BackendCompilerFailed as exc:  # e.g. strict mode's FusionError
+        cause = exc.inner_exception if getattr(exc, "inner_exception", None) is not None else exc
+        print(f"qwen-npu-compile: compile failed: {type(cause).__name__}: {cause}", file=sys.stderr)
+        return 1
     print_table(result)
     if args.json_path is not None:
         args.json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -73,6 +73,8 @@ class QwenNpuConfig:
             ValueError: an unknown option key, an unknown family, a malformed boolean or an unknown
                 downstream; the message names the valid choices and where the value came from.
         """
+        if options is not None and not isinstance(options, Mapping):
+            raise ValueError(f"qwen_npu: options must be a dict such as {{'fusions': 'all'}}, got {options!r}")
         options = dict(options or {})
         environ = os.environ if environ is None else environ
         unknown = sorted(set(options) - set(_OPTION_TO_ENV))
@@ -92,8 +94,12 @@ class QwenNpuConfig:
         fusions_value, where = pick("fusions")
         fusions = frozenset(ALL_FAMILIES) if fusions_value is None else parse_fusions(fusions_value, where)
 
-        dump_value, _ = pick("dump_dir")
+        dump_value, where = pick("dump_dir")
+        if dump_value not in (None, "") and not isinstance(dump_value, (str, os.PathLike)):
+            raise ValueError(f"qwen_npu: {where} must be a folder path (str or Path), got {dump_value!r}")
         dump_dir = Path(os.fspath(dump_value)).expanduser() if dump_value not in (None, "") else None
+        if dump_dir is not None and dump_dir.exists() and not dump_dir.is_dir():
+            raise ValueError(f"qwen_npu: {where} = {str(dump_dir)!r} exists and is not a folder; choose a folder path")
 
         downstream_value, where = pick("downstream")
         downstream = None

@@ -81,3 +81,26 @@ def test_console_script_is_installed():
     assert exe is not None
     out = subprocess.run([exe, "check", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "--layers" in out.stdout and "--json" in out.stdout
+
+
+def test_backend_settings_are_validated_before_building(monkeypatch, capsys, tmp_path):
+    assert cli.main(["check", "qwen2.5-0.5b", "--downstream", "torchair"]) == 2
+    assert "needs torch_npu" in capsys.readouterr().err
+    monkeypatch.setenv("QWEN_NPU_STRICT", "maybe")
+    assert cli.main(["check", "qwen2.5-0.5b"]) == 2
+    assert "QWEN_NPU_STRICT = 'maybe' is not a boolean" in capsys.readouterr().err
+    monkeypatch.delenv("QWEN_NPU_STRICT")
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("x")
+    assert cli.main(["check", "qwen2.5-0.5b", "--dump-dir", str(not_a_folder)]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+
+
+def test_fusions_default_comes_from_the_environment(npu_ops, tiny_model_dir, monkeypatch, capsys):
+    monkeypatch.setenv("QWEN_NPU_FUSIONS", "bogus")
+    assert cli.main(["check", str(tiny_model_dir)]) == 2
+    assert "unknown fusion family ['bogus']" in capsys.readouterr().err
+    monkeypatch.setenv("QWEN_NPU_FUSIONS", "rms_norm")
+    assert cli.main(["check", str(tiny_model_dir), "--mode", "infer", "--dtype", "fp32"]) == 0
+    printed = capsys.readouterr().out
+    assert "rms_norm           5         5  ok" in printed and "swiglu" not in printed.split("verdict")[0].split("family")[1].split("parity")[0]

@@ -41,6 +41,8 @@ def test_parse_fusions(value, expected):
     ({"downstream": "npu"}, {}, r"not a known downstream backend; choose one of \['torchair', 'aot_eager', 'eager', 'inductor'\]"),
     ({}, {"QWEN_NPU_STRICT": "maybe"}, r"QWEN_NPU_STRICT = 'maybe' is not a boolean"),
     ({"fusions": 3}, {}, r"must be a string or a list"),
+    ({"dump_dir": 123}, {}, r"option 'dump_dir' must be a folder path"),
+    ("all", {}, r"options must be a dict"),
 ])
 def test_bad_values_raise_value_error_naming_choices(options, env, message):
     with pytest.raises(ValueError, match=message):

@@ -274,13 +274,20 @@ def verdict_text(verdict: dict, ranks: int, steps: int, layers: int) -> str:
     )
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--ranks", type=int, default=2, help="world size (processes); default 2")
-    parser.add_argument("--steps", type=int, default=5, help="optimizer steps; default 5")
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers; default 2")
+    parser.add_argument("--ranks", type=_positive_int, default=2, help="world size (processes); default 2")
+    parser.add_argument("--steps", type=_positive_int, default=5, help="optimizer steps; default 5")
+    parser.add_argument("--layers", type=_positive_int, default=2, help="decoder layers; default 2")
     parser.add_argument("--compile", choices=("on", "off", "both"), default="both",
                         help=f"{ENV_COMPILE} for the ranks; 'both' runs off then on and compares (default)")
     parser.add_argument("--strategy", choices=("fsdp2", "fsdp1"), default="fsdp2", help="default fsdp2")

@@ -345,6 +345,8 @@ def print_table(result: dict) -> None:
           f"{secs['qwen_npu_canonicalize']:.2f}s, fuse {secs['qwen_npu_fuse']:.2f}s); steady run {secs['steady_compiled_run']:.2f}s")
     for refusal in result["refused"][:10]:
         print(f"  refused {refusal['family']} at {refusal['source']}: {refusal['reason']}")
+    if len(result["refused"]) > 10:
+        print(f"  ... {len(result['refused']) - 10} more refusals (all in --json / --dump-dir)")
     for problem in result["problems"]:
         print(f"  problem: {problem}")
     print(f"verdict: {result['verdict']}")

@@ -182,25 +182,6 @@ def _attributing(compiled, reports: tuple[GraphReport, ...]):
     return run
 
 
-@contextlib.contextmanager
-def _saved_tensors_hooks_deferred():
-    """Keep ambient saved-tensor hooks (activation checkpointing, offloading) out of compile-time tracing.
-
-    The backend retraces the graph above autograd on FakeTensors; under a non-reentrant checkpoint
-    the checkpoint's pack hook would count those fake saves and the recomputation would then fail
-    with "a different number of tensors was saved". AOTAutograd guards its own tracing the same way.
-    """
-    set_tracing = getattr(torch._C._autograd, "_saved_tensors_hooks_set_tracing", None)
-    if set_tracing is None:  # older torch: nothing to defer
-        yield
-        return
-    prior = set_tracing(True)
-    try:
-        yield
-    finally:
-        set_tracing(prior)
-
-
 class _AttributingBackend:
     """The ``qwen_npu`` backend, plus attribution of each compiled graph's calls to the running layer.
 
@@ -212,8 +193,9 @@ class _AttributingBackend:
         from .backend import qwen_npu_backend
 
         first = SUMMARY.next_index()
-        with _saved_tensors_hooks_deferred():
-            compiled = qwen_npu_backend(gm, example_inputs, options=options, mode=mode)
+        # (the retrace in canonicalize keeps ambient saved-tensor hooks, e.g. a non-reentrant
+        # checkpoint's, away from its fake saves; AOTAutograd does the same for its own tracing)
+        compiled = qwen_npu_backend(gm, example_inputs, options=options, mode=mode)
         reports = tuple(SUMMARY.graphs[first:])  # the report this compile published
         return _attributing(compiled, reports)
 

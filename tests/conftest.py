@@ -27,6 +27,14 @@ def npu_ops():
     return ensure_npu_ops()
 
 
+@pytest.fixture(scope="session")
+def simulated_npu_ops(npu_ops):
+    """For tests of the CPU stand-ins themselves: skipped where the real torch_npu is present."""
+    if not npu_ops.simulated:
+        pytest.skip("real torch_npu present: these tests check the CPU stand-ins")
+    return npu_ops
+
+
 def tiny_qwen2_config(**overrides) -> transformers.Qwen2Config:
     """A 2-layer Qwen2 (hidden 64, 4 heads, 2 KV heads: GQA, head_dim 16) with no KV cache."""
     fields = dict(

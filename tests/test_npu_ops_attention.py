@@ -13,14 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from qwen_npu_compile.npu_ops import fusion_attention
 
 
-@pytest.fixture(scope="module", autouse=True)
-def npu_ops():
-    from qwen_npu_compile.npu_ops import ensure_npu_ops
-
-    status = ensure_npu_ops()
-    if not status.simulated:
-        pytest.skip("real torch_npu present: these tests check the CPU stand-ins")
-    return status
+pytestmark = pytest.mark.usefixtures("simulated_npu_ops")
 
 
 def fa(*args, **kwargs):

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 npu = torch.ops.npu
+pytestmark = pytest.mark.usefixtures("simulated_npu_ops")
 
 
 def hf_rms_norm(x, w, eps):

@@ -245,32 +245,27 @@ def _is_fused(node: torch.fx.Node) -> bool:
     )
 
 
-def _feeds_fused(node: torch.fx.Node) -> bool:
-    stack, seen = list(node.users), set()
+def _reaches_fused(start, step) -> bool:
+    """Whether a fused op is reachable from ``start`` through free (view-like) nodes, moving by ``step``."""
+    stack, seen = list(start), set()
     while stack:
-        user = stack.pop()
-        if user in seen:
+        node = stack.pop()
+        if node in seen:
             continue
-        seen.add(user)
-        if _is_fused(user):
+        seen.add(node)
+        if _is_fused(node):
             return True
-        if classify(user) == "free":
-            stack.extend(user.users)
+        if classify(node) == "free":
+            stack.extend(step(node))
     return False
+
+
+def _feeds_fused(node: torch.fx.Node) -> bool:
+    return _reaches_fused(node.users, lambda n: n.users)
 
 
 def _fed_by_fused(node: torch.fx.Node) -> bool:
-    stack, seen = list(_node_args(node)), set()
-    while stack:
-        arg = stack.pop()
-        if arg in seen:
-            continue
-        seen.add(arg)
-        if _is_fused(arg):
-            return True
-        if classify(arg) == "free":
-            stack.extend(_node_args(arg))
-    return False
+    return _reaches_fused(_node_args(node), _node_args)
 
 
 def is_glue(node: torch.fx.Node) -> bool:

@@ -39,7 +39,6 @@ it ran; a layer that ran without one (Dynamo fell back to eager) is logged once.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import functools

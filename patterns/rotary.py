@@ -56,27 +56,44 @@ variant, which runs the kernel on the contiguous pre-transpose tensor. Non-conti
 decided for the graph's sizes and guarded, so Dynamo recompiles (and this check refuses) when a later
 size breaks them (``2 <= B <= 999`` for Qwen2). The anchor is ``aten.neg``, which in Qwen2 graphs
 (train and infer, sdpa and eager, with or without mask or cache) appears only in ``rotate_half``.
+
+torchair downstream, training: the GE converter of ``npu_rotary_mul_backward`` raises unless shapes are
+static, D % 64 == 0 and the broadcast dims multiply to <= 1024 (all limits:
+:func:`~qwen_npu_compile.npu_ops.rotary_mul.rotary_mul_violation`). When cos/sin need no grad and the
+graph shows sin built from ``cat((freqs, freqs), -1)`` (:func:`has_equal_halves`, true for HF's
+``Qwen2RotaryEmbedding``), the rewrite emits ``qwen_npu.rotary_mul_orthogonal`` instead, whose backward
+is ``npu_rotary_mul(grad, cos, -sin)`` (RotaryMul, none of those limits); otherwise it emits
+``npu_rotary_mul`` if the backward converter's limits hold and refuses with the converter's reason if not.
+Other downstreams and inference graphs always get ``npu_rotary_mul``.
 """
 
 from __future__ import annotations
 
-import torch
-from torch.fx.experimental.symbolic_shapes import guard_or_false, is_concrete_int
+import contextvars
 
-from qwen_npu_compile.fusion import FusionFamily, PatternVariant, meta_val
-from qwen_npu_compile.npu_ops.rotary_mul import (
-    BNSD_ALIGN_BYTES,
-    MAX_BATCH_OR_HEADS,
-    MAX_BN_WITH_R_GRAD,
-    MAX_HEAD_DIM,
-    SUPPORTED_DTYPES,
-    rotary_mul_limit_violation,
-)
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
+
+from qwen_npu_compile.fusion import FusionFamily, PatternVariant, current_target, meta_val
+from qwen_npu_compile.npu_ops import rotary_mul_orthogonal
+from qwen_npu_compile.npu_ops.rotary_mul import rotary_mul_violation
 
 aten = torch.ops.aten
 
-#: x layouts a variant emits, and the r1/r2 shapes the kernel accepts for each (1 = broadcast dim).
-ACCEPTED_R_SHAPES = {"BSND": ("1S1D", "BS1D", "BSND"), "BNSD": ("11SD", "B1SD", "BNSD")}
+#: Set by a variant's check when it accepts a match, read by its replacement, which Inductor traces
+#: right after the check accepts (``register_replacement``'s ``check_fn``): True = emit
+#: :mod:`~qwen_npu_compile.npu_ops.rotary_mul_orthogonal` instead of ``npu_rotary_mul``.
+_EMIT_ORTHOGONAL: contextvars.ContextVar[bool] = contextvars.ContextVar("qwen_npu_rotary_orthogonal", default=False)
+
+#: Ops between HF's ``cat((freqs, freqs), -1)`` and the sin the rotary reads that keep "both halves of the
+#: last dim are equal" (elementwise maps, casts, copies); views are handled in :func:`has_equal_halves`.
+_ELEMENTWISE = (
+    aten.sin.default, aten.cos.default, aten.neg.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
+    aten._to_copy.default, aten.clone.default, aten.alias.default, aten.contiguous.default, aten.detach.default,
+)  # fmt: skip
+_SCALED = (aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar)
+_MAX_WALK = 32
 
 
 def _rotate_half(x):
@@ -98,9 +115,15 @@ def _bsnd_r(r_b1sd):
     return r_b1sd.squeeze(1).unsqueeze(2)
 
 
+def _rotary(x, r1, r2):
+    """The fused call: ``npu_rotary_mul``, or its orthogonal form when the check proved it valid."""
+    if _EMIT_ORTHOGONAL.get():
+        return rotary_mul_orthogonal.OP(x, r1, r2)
+    return torch.ops.npu.npu_rotary_mul.default(x, r1, r2, "half")
+
+
 def _replace_bsnd(x_bsnd, cos, sin):
-    out = torch.ops.npu.npu_rotary_mul.default(x_bsnd, _bsnd_r(cos), _bsnd_r(sin), "half")
-    return out.transpose(1, 2)
+    return _rotary(x_bsnd, _bsnd_r(cos), _bsnd_r(sin)).transpose(1, 2)
 
 
 def _search_bnsd(x, cos, sin):
@@ -108,66 +131,15 @@ def _search_bnsd(x, cos, sin):
 
 
 def _replace_bnsd(x, cos, sin):
-    return torch.ops.npu.npu_rotary_mul.default(x, cos, sin, "half")
-
-
-def _hint(size):
-    """A size for messages: the int itself, or a symbolic size's value in this graph (no guard)."""
-    if is_concrete_int(size):
-        return int(size)
-    return size.node.hint if size.node.has_hint() else size
-
-
-def _limit_violation(shape, dtype: torch.dtype, layout: str, r_requires_grad: bool) -> str | None:
-    """:func:`rotary_mul_limit_violation`, also for symbolic sizes (``dynamic=True``).
-
-    Concrete shapes go to the stand-in's function as they are. For symbolic sizes, ``int()`` would
-    specialise them (a recompile per size); instead each limit is decided with ``guard_or_false``: for
-    this graph's sizes, with a guard so that Dynamo recompiles when a later size breaks it.
-    """
-    if all(is_concrete_int(size) for size in shape):
-        return rotary_mul_limit_violation([int(size) for size in shape], dtype, layout, r_requires_grad)
-    if len(shape) != 4:
-        return f"x must be 4-D, got {len(shape)}-D"
-    if dtype not in SUPPORTED_DTYPES:
-        return f"dtype {dtype} not in fp16/bf16/fp32"
-    dims = dict(zip(layout, shape))
-    b, n, s, d = dims["B"], dims["N"], dims["S"], dims["D"]
-    shown = {key: _hint(value) for key, value in dims.items()}
-    if not is_concrete_int(d):
-        return f"symbolic head dim D={d}; the limits need a static D"
-    d = int(d)
-    if d % 2 != 0 or d >= MAX_HEAD_DIM:
-        return f"head dim D={d} must be even and < {MAX_HEAD_DIM}"
-    if not (guard_or_false(b < MAX_BATCH_OR_HEADS) and guard_or_false(n < MAX_BATCH_OR_HEADS)):
-        return f"B={shown['B']} and N={shown['N']} must both be < {MAX_BATCH_OR_HEADS}"
-    if r_requires_grad and not guard_or_false(b * n <= MAX_BN_WITH_R_GRAD):
-        return f"B*N={shown['B'] * shown['N']} > {MAX_BN_WITH_R_GRAD} while r1/r2 need grad"
-    aligned = (d * dtype.itemsize) % BNSD_ALIGN_BYTES == 0
-    if layout == "BNSD" and aligned and not guard_or_false(b * n <= 8 * s):
-        return (
-            f"BNSD with aligned D={d} needs B*N <= 8*S, got B*N={shown['B'] * shown['N']}, "
-            f"S={shown['S']} (error 561002; use BSND)"
-        )
-    return None
-
-
-def _r_shape_ok(x, r, layout: str) -> bool:
-    """Whether r's shape is one the kernel accepts for x in ``layout`` (:data:`ACCEPTED_R_SHAPES`)."""
-    for accepted in ACCEPTED_R_SHAPES[layout]:
-        ok = True
-        for dim, r_label in enumerate(accepted):
-            want = 1 if r_label == "1" else x.shape[dim]
-            if not guard_or_false(r.shape[dim] == want):
-                ok = False
-                break
-        if ok:
-            return True
-    return False
+    return _rotary(x, cos, sin)
 
 
 def check_rotary(x, r1, r2, layout: str, r_requires_grad: bool | None = None) -> str | None:
     """Refusal reason for ``npu_rotary_mul(x, r1, r2, 'half')`` (FakeTensors), or None to fuse.
+
+    The op's limits are :func:`~qwen_npu_compile.npu_ops.rotary_mul.rotary_mul_violation`'s; this adds
+    what the rewrite itself needs: tensors, 4-D, not empty, dense (CANN ops read non-contiguous inputs
+    wrongly: vllm-ascend #2388, #11834).
 
     Args:
         x: the tensor the kernel receives, ``[B, S, N, D]`` for ``layout="BSND"`` or ``[B, N, S, D]``
@@ -180,20 +152,11 @@ def check_rotary(x, r1, r2, layout: str, r_requires_grad: bool | None = None) ->
     """
     if not all(isinstance(t, torch.Tensor) for t in (x, r1, r2)):
         return "x, cos or sin is not a tensor"
-    if x.dtype not in SUPPORTED_DTYPES:
-        return f"unsupported dtype {x.dtype}; npu_rotary_mul takes fp16, bf16, fp32"
-    if r1.dtype != x.dtype or r2.dtype != x.dtype:
-        return (
-            f"dtype mismatch: x {x.dtype}, cos {r1.dtype}, sin {r2.dtype}; npu_rotary_mul needs cos/sin in "
-            "x's dtype (HF promotes the mixed product, the kernel returns x's dtype)"
-        )
     if x.dim() != 4 or r1.dim() != 4 or r2.dim() != 4:
         return f"x, cos and sin must be 4-D, got x {tuple(x.shape)}, cos {tuple(r1.shape)}, sin {tuple(r2.shape)}"
-    if not all(_r_shape_ok(x, r, layout) for r in (r1, r2)):
-        return (
-            f"cos {tuple(r1.shape)} / sin {tuple(r2.shape)} is not a shape npu_rotary_mul accepts for {layout} "
-            f"x {tuple(x.shape)} ({'/'.join(ACCEPTED_R_SHAPES[layout])})"
-        )
+    reason = rotary_mul_violation(x, r1, r2, layout=layout, r_requires_grad=r_requires_grad)
+    if reason is not None:
+        return reason
     if guard_or_false(x.numel() == 0):
         return "empty input"
     for label, t in (("x", x), ("cos", r1), ("sin", r2)):
@@ -202,9 +165,66 @@ def check_rotary(x, r1, r2, layout: str, r_requires_grad: bool | None = None) ->
                 f"{label} is not contiguous (shape {tuple(t.shape)}, stride {tuple(t.stride())}); npu_rotary_mul "
                 "reads its inputs as dense"
             )
-    if r_requires_grad is None:
-        r_requires_grad = r1.requires_grad or r2.requires_grad
-    return _limit_violation(x.shape, x.dtype, layout, r_requires_grad)
+    return None
+
+
+def has_equal_halves(node) -> bool:
+    """Whether the graph proves that both halves of ``node``'s last dim are equal, for any input values.
+
+    True when ``node`` comes from ``cat([a, a], -1)`` (the same node twice: HF's ``cat((freqs, freqs),
+    dim=-1)`` in ``Qwen2RotaryEmbedding.forward``) through elementwise maps and casts, products with
+    scalars or with tensors that themselves have equal halves or broadcast along the last dim
+    (``* attention_scaling``), and views that keep the last dim (unsqueeze/squeeze/expand/reshape/
+    transpose/slice on other dims). Anything else (a graph input, an op not listed) is not proven.
+    """
+    return _equal_halves(node, _MAX_WALK)
+
+
+def _last_dim_kept(node: torch.fx.Node) -> bool:
+    """A view/copy whose output rows along the last dim are its input's rows (last size unchanged, last dim untouched)."""
+    source, out = meta_val(node.args[0]), meta_val(node)
+    if not (isinstance(source, torch.Tensor) and isinstance(out, torch.Tensor)) or source.dim() == 0 or out.dim() == 0:
+        return False
+    if not statically_known_true(source.shape[-1] == out.shape[-1]):
+        return False
+    target = node.target
+    if target in (aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor, aten.select.int):
+        dim = node.args[1] if len(node.args) > 1 else 0
+        rank = out.dim() if target is aten.unsqueeze.default else source.dim()
+        return dim % rank != rank - 1
+    if target is aten.transpose.int:
+        return all(d % source.dim() != source.dim() - 1 for d in node.args[1:3])
+    return target in (aten.expand.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+                      aten.squeeze.default)
+
+
+def _equal_halves(node, budget: int) -> bool:
+    if budget <= 0 or not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return False
+    target = node.target
+    if target is aten.cat.default:
+        parts = node.args[0]
+        val = meta_val(node)
+        dim = node.args[1] if len(node.args) > 1 else 0
+        return (
+            isinstance(val, torch.Tensor) and len(parts) == 2 and parts[0] is parts[1]
+            and dim % val.dim() == val.dim() - 1
+        )
+    if target in _ELEMENTWISE:
+        return _equal_halves(node.args[0], budget - 1)
+    if target in _SCALED:
+        out = meta_val(node)
+        for arg in node.args[:2]:
+            val = meta_val(arg)
+            if isinstance(val, torch.Tensor) and val.dim() > 0 and not (
+                statically_known_true(val.shape[-1] == 1)
+                and val.dim() <= out.dim()
+            ) and not _equal_halves(arg, budget - 1):
+                return False
+        return any(isinstance(meta_val(arg), torch.Tensor) and meta_val(arg).dim() > 0 for arg in node.args[:2])
+    if _last_dim_kept(node):
+        return _equal_halves(node.args[0], budget - 1)
+    return False
 
 
 def _requires_grad(node) -> bool:
@@ -213,21 +233,48 @@ def _requires_grad(node) -> bool:
     return bool(getattr(tensor_meta, "requires_grad", False))
 
 
+def _check_fused(x, r1, r2, layout: str, x_node, cos_node, sin_node) -> str | None:
+    """The check of both variants: the op's limits for the kernel, plus, when a backward will run and
+    the downstream is torchair, either the orthogonal form (sin with equal halves, cos/sin without
+    grad: :mod:`~qwen_npu_compile.npu_ops.rotary_mul_orthogonal`) or ``npu_rotary_mul_backward``'s GE
+    converter limits. Sets :data:`_EMIT_ORTHOGONAL` for the replacement when it accepts."""
+    r_grad = _requires_grad(cos_node) or _requires_grad(sin_node)
+    reason = check_rotary(x, r1, r2, layout, r_grad)
+    if reason is not None:
+        return reason
+    target = current_target()
+    downstream = target.downstream if target is not None else None
+    backward = r_grad or _requires_grad(x_node)
+    orthogonal = False
+    if backward and downstream == "torchair":
+        if not r_grad and has_equal_halves(sin_node):
+            orthogonal = True
+        else:
+            reason = rotary_mul_violation(x, r1, r2, layout=layout, r_requires_grad=r_grad, backward=True,
+                                          downstream=downstream)
+            if reason is not None:
+                why = "cos/sin need grad" if r_grad else "sin's equal halves (cat(f, f)) are not visible in the graph"
+                return f"{reason}; the orthogonal backward (npu_rotary_mul with -sin) does not apply: {why}"
+    _EMIT_ORTHOGONAL.set(orthogonal)
+    return None
+
+
 def _check_bsnd(match) -> str | None:
     x = meta_val(match.kwargs["x_bsnd"])
     cos, sin = meta_val(match.kwargs["cos"]), meta_val(match.kwargs["sin"])
     if not all(isinstance(t, torch.Tensor) for t in (x, cos, sin)):
         return "x, cos or sin is not a tensor"
-    if not all(r.dim() == 4 and guard_or_false(r.shape[1] == 1) for r in (cos, sin)):
+    if not all(r.dim() == 4 and guard_or_false(r.shape[1] == 1)
+               for r in (cos, sin)):
         return f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)} is not unsqueezed at dim 1 ([B|1, 1, S, D])"
-    r_grad = _requires_grad(match.kwargs["cos"]) or _requires_grad(match.kwargs["sin"])
-    return check_rotary(x, _bsnd_r(cos), _bsnd_r(sin), "BSND", r_grad)
+    return _check_fused(x, _bsnd_r(cos), _bsnd_r(sin), "BSND", match.kwargs["x_bsnd"], match.kwargs["cos"],
+                        match.kwargs["sin"])
 
 
 def _check_bnsd(match) -> str | None:
     cos, sin = match.kwargs["cos"], match.kwargs["sin"]
-    r_grad = _requires_grad(cos) or _requires_grad(sin)
-    return check_rotary(meta_val(match.kwargs["x"]), meta_val(cos), meta_val(sin), "BNSD", r_grad)
+    x = meta_val(match.kwargs["x"])
+    return _check_fused(x, meta_val(cos), meta_val(sin), "BNSD", match.kwargs["x"], cos, sin)
 
 
 def _examples_bsnd():

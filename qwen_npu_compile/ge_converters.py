@@ -1,11 +1,154 @@
 """torchair GE converters this project supplies or corrects (registered before any torchair hand-off).
 
 :func:`register_converters` is called by the torchair hand-off (real torchair on an Ascend host, or
-the off-NPU conversion check) before torchair converts a graph. It is idempotent.
+the off-NPU conversion check) right after ``import torchair`` and before torchair converts a graph. It
+is idempotent. Every converter is built with torchair's own registration API
+(``torchair.register_fx_node_ge_converter``) from torchair's own GE op builders or converters; nothing
+of torchair is copied here. A converter whose torchair API is missing in the installed release is
+skipped with a warning (the graph then fails to convert exactly as it would without us).
+
+What is registered, and why (torch_npu 2.13.0 and 2.9.0 wheels, ``torch_npu/dynamo/torchair``):
+
+- ``npu.npu_fusion_attention_grad``: torchair's converter (``ge_converter/custom/npu_fusion_attention.py``)
+  returns FlashAttentionScoreGrad's 4 outputs (dq, dk, dv, dpse) while the op's schema
+  (``npu_native_functions_by_codegen.yaml``) declares 5 (dsink added), so every training graph with
+  fused attention fails with "The length of ge_outputs must be equal to meta_outputs". Ours calls
+  torchair's converter and appends dsink: zeros of the meta output's shape and dtype (the Meta kernel
+  gives ``empty([0])`` fp32 in 2.13.0, ``empty([])`` in 2.9.0 when ``sink`` is None; without a sink
+  there is nothing to differentiate). A ``sink`` or ``softmax_layout`` argument is refused.
+- ``aten.silu_backward``: torchair's converter (``ge_converter/aten/silu_backward.py``) is a stub that
+  raises NotImplementedError, so a training graph whose SwiGLU is not fused cannot convert. Ours builds
+  ``d/dx x·σ(x) · g = g·σ + x·SigmoidGrad(σ, g)`` with ``SigmoidGrad(y, dy) = dy·y·(1−y)`` from GE's
+  Sigmoid, SigmoidGrad, Mul and Add.
+- ``qwen_npu.rotary_mul_orthogonal`` (:mod:`qwen_npu_compile.npu_ops.rotary_mul_orthogonal`): the
+  rotary fusion's form whose backward is the forward op again; converted by torchair's own
+  ``npu_rotary_mul`` converter (RotaryMul on A2/A3), which has none of ``npu_rotary_mul_backward``'s
+  converter limits.
+
+Not registered, on purpose: the CPU SDPA ops (``aten._scaled_dot_product_flash_attention_for_cpu`` and
+its backward) have no torchair converter. They appear only when attention is left unfused *and* the
+graph was traced on a CPU (:data:`CPU_ONLY_OPS`); on an Ascend host torch_npu dispatches SDPA to its own
+kernels (``npu_fusion_attention`` for BNSD with a bool or no mask), so such a failure in an off-NPU
+conversion check is an artifact of the CPU trace, not a blocker on the NPU.
 """
 
 from __future__ import annotations
 
+import importlib
+import logging
 
-def register_converters() -> None:
-    """Register this project's GE converters with the imported torchair (idempotent)."""
+import torch
+
+log = logging.getLogger(__name__)
+
+#: ATen ops that only a CPU trace produces and that have no torchair converter (see the module docstring).
+CPU_ONLY_OPS = (
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
+)
+
+#: Names of the converters registered into the torchair of this process (idempotence).
+_REGISTERED: set[str] = set()
+
+
+def register_converters() -> list[str]:
+    """Register this project's GE converters with the imported torchair (idempotent).
+
+    Must run after ``import torchair`` (and after :func:`qwen_npu_compile.npu_ops.ensure_npu_ops`, so the
+    ``npu`` ops exist) and before conversion. torchair's own custom converters are imported first, so
+    that its lazy import of them cannot overwrite ours later.
+
+    Returns:
+        The names of the converters registered in this process so far (missing torchair APIs are
+        logged as warnings and skipped, never raised).
+    """
+    try:
+        import torchair  # noqa: F401
+
+        importlib.import_module("torchair._ge_concrete_graph.ge_converter.custom")
+    except Exception as exc:  # torchair absent or a release with another layout
+        log.warning("qwen_npu: torchair's converters could not be imported (%s: %s); registering none",
+                    type(exc).__name__, exc)
+        return sorted(_REGISTERED)
+    for name, register in _CONVERTERS.items():
+        if name in _REGISTERED:
+            continue
+        try:
+            register()
+        except Exception as exc:  # an API this torchair release lacks: skip, say so
+            log.warning("qwen_npu: GE converter for %s not registered (%s: %s); graphs holding it will not "
+                        "convert", name, type(exc).__name__, exc)
+            continue
+        _REGISTERED.add(name)
+    return sorted(_REGISTERED)
+
+
+def _torchair_api():
+    """torchair's registration decorator and GE op builders (public decorator; ``ge_apis`` as converters use)."""
+    from torchair import register_fx_node_ge_converter
+    from torchair._ge_concrete_graph import ge_apis
+
+    return register_fx_node_ge_converter, ge_apis
+
+
+def _existing_converter(op):
+    """torchair's converter of ``op`` (set by its ``register_fx_node_ge_converter``), or raise."""
+    converter = getattr(op, "_ge_converter", None)
+    if converter is None:
+        raise LookupError(f"torchair has no converter for {op}")
+    return converter
+
+
+def _register_fusion_attention_grad() -> None:
+    register, ge = _torchair_api()
+    op = torch.ops.npu.npu_fusion_attention_grad.default
+    torchair_converter = _existing_converter(op)
+    if getattr(torchair_converter, "_qwen_npu", False):
+        return
+
+    def convert(*args, meta_outputs=None, softmax_layout: str = "", sink=None, **kwargs):
+        """npu_fusion_attention_grad -> torchair's FlashAttentionScoreGrad (dq, dk, dv, dpse) + dsink zeros."""
+        if sink is not None or softmax_layout not in ("", None):
+            raise NotImplementedError(
+                "npu_fusion_attention_grad: torchair's converter takes neither sink nor softmax_layout"
+            )
+        outputs = torchair_converter(*args, **kwargs)
+        if meta_outputs is None or len(outputs) >= len(meta_outputs):
+            return outputs
+        dsink = meta_outputs[len(outputs)]
+        return (*outputs, ge.Fill(list(dsink.size), ge.Cast(0.0, dst_type=dsink.dtype)))
+
+    convert._qwen_npu = True
+    register(op)(convert)
+    _existing_converter(op)._qwen_npu = True
+
+
+def _register_silu_backward() -> None:
+    register, ge = _torchair_api()
+
+    def convert(grad_output, self, meta_outputs=None):
+        """aten.silu_backward: ``g·σ(x) + x·g·σ(x)·(1−σ(x))`` from GE Sigmoid / SigmoidGrad / Mul / Add."""
+        sigmoid = ge.Sigmoid(self)
+        return ge.Add(ge.Mul(grad_output, sigmoid), ge.Mul(self, ge.SigmoidGrad(sigmoid, grad_output)))
+
+    register(torch.ops.aten.silu_backward.default)(convert)
+
+
+def _register_rotary_mul_orthogonal() -> None:
+    from .npu_ops import rotary_mul_orthogonal
+
+    register, _ = _torchair_api()
+    npu_rotary_mul = _existing_converter(torch.ops.npu.npu_rotary_mul.default)
+
+    def convert(x, r1, r2, meta_outputs=None):
+        """qwen_npu.rotary_mul_orthogonal -> torchair's own npu_rotary_mul converter (mode 'half')."""
+        return npu_rotary_mul(x, r1, r2, "half", None)
+
+    register(rotary_mul_orthogonal.OP)(convert)
+
+
+_CONVERTERS = {
+    "npu.npu_fusion_attention_grad": _register_fusion_attention_grad,
+    "aten.silu_backward": _register_silu_backward,
+    "qwen_npu.rotary_mul_orthogonal": _register_rotary_mul_orthogonal,
+}

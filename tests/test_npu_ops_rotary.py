@@ -199,18 +199,63 @@ def test_aot_backward_graph_contains_backward_op():
         torch.testing.assert_close(g, e)
 
 
+def _meta(*shape, dtype=torch.float16):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _violation(x_shape, r_shape, dtype, layout, **kwargs):
+    return rotary_mul.rotary_mul_violation(_meta(*x_shape, dtype=dtype), _meta(*r_shape, dtype=dtype),
+                                           _meta(*r_shape, dtype=dtype), layout=layout, **kwargs)
+
+
 def test_limit_helper():
-    violation = rotary_mul.rotary_mul_limit_violation
+    """rotary_mul_violation: the kernel's layout-dependent limits (the one home of the op's limits)."""
     assert rotary_mul.MAX_HEAD_DIM == 896
     # ms-swift #9329: HF's head-first layout at decode (S=1), D=128 bf16 (256 bytes, 32-byte aligned)
-    assert "561002" in violation((1, 28, 1, 128), torch.bfloat16, "BNSD")
-    assert violation((1, 1, 28, 128), torch.bfloat16, "BSND") is None
-    assert violation((1, 28, 8, 128), torch.bfloat16, "BNSD") is None
-    assert "896" in violation((1, 4, 2, 896), torch.float16, "BSND")
-    assert "even" in violation((1, 4, 2, 62 + 1), torch.float16, "BSND")
-    assert "1000" in violation((1000, 2, 1, 64), torch.float16, "BSND")
-    assert violation((64, 2048, 32, 64), torch.float16, "BSND", r_requires_grad=False) is None
-    assert "1024" in violation((64, 2048, 32, 64), torch.float16, "BSND", r_requires_grad=True)
-    assert "dtype" in violation((1, 4, 2, 64), torch.float64, "BSND")
+    assert "561002" in _violation((1, 28, 1, 128), (1, 1, 1, 128), torch.bfloat16, "BNSD")
+    assert _violation((1, 1, 28, 128), (1, 1, 1, 128), torch.bfloat16, "BSND") is None
+    assert _violation((1, 28, 8, 128), (1, 1, 8, 128), torch.bfloat16, "BNSD") is None
+    assert "896" in _violation((1, 4, 2, 896), (1, 4, 1, 896), torch.float16, "BSND")
+    assert "even" in _violation((1, 4, 2, 63), (1, 4, 1, 63), torch.float16, "BSND")
+    assert "1000" in _violation((1000, 2, 1, 64), (1, 2, 1, 64), torch.float16, "BSND")
+    assert _violation((64, 2048, 32, 64), (64, 2048, 1, 64), torch.float16, "BSND", r_requires_grad=False) is None
+    assert "1024" in _violation((64, 2048, 32, 64), (64, 2048, 1, 64), torch.float16, "BSND", r_requires_grad=True)
+    assert "dtype" in _violation((1, 4, 2, 64), (1, 4, 1, 64), torch.float64, "BSND")
     with pytest.raises(ValueError):
-        violation((1, 4, 2, 64), torch.float16, "NBSD")
+        _violation((1, 4, 2, 64), (1, 4, 1, 64), torch.float16, "NBSD")
+
+
+@pytest.mark.parametrize("x_shape,r_shape,expected", [
+    pytest.param((2, 16, 4, 64), (1, 16, 1, 64), None, id="d64-bn8"),
+    pytest.param((2, 16, 4, 128), (1, 16, 1, 128), None, id="d128"),
+    pytest.param((2, 16, 4, 16), (1, 16, 1, 16), "D % 64 == 0, got D=16", id="d16"),
+    pytest.param((2, 16, 4, 96), (1, 16, 1, 96), "D % 64 == 0, got D=96", id="d96"),
+    pytest.param((64, 16, 32, 64), (1, 16, 1, 64), "multiply to <= 1024, got 2048", id="broadcast-2048"),
+    pytest.param((64, 16, 32, 64), (64, 16, 1, 64), None, id="broadcast-32"),
+])
+def test_torchair_backward_converter_limits(x_shape, r_shape, expected):
+    """torch_npu 2.13.0 torchair converter npu_rotary_mul_backward (A2/A3): only with backward and torchair."""
+    assert _violation(x_shape, r_shape, torch.bfloat16, "BSND") is None  # the kernel takes them all
+    reason = _violation(x_shape, r_shape, torch.bfloat16, "BSND", backward=True, downstream="torchair")
+    if expected is None:
+        assert reason is None
+    else:
+        assert expected in reason and "npu_rotary_mul_backward" in reason, reason
+    assert _violation(x_shape, r_shape, torch.bfloat16, "BSND", backward=True, downstream="aot_eager") is None
+
+
+def test_torchair_backward_converter_refuses_symbolic_sizes():
+    """The converter raises on any dynamic size (S under dynamic=True), decided without a guard."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env)
+    context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.STATIC, DimDynamic.DYNAMIC, DimDynamic.STATIC,
+                                                      DimDynamic.STATIC])
+    x = mode.from_tensor(torch.empty(2, 16, 4, 64), symbolic_context=context)
+    with mode:
+        r = torch.empty(1, x.shape[1], 1, 64)
+    reason = rotary_mul.rotary_mul_violation(x, r, r, layout="BSND", backward=True, downstream="torchair")
+    assert "needs static shapes" in reason
+    assert x.shape[1].node.expr not in shape_env.replacements, "S was specialised"

@@ -13,9 +13,10 @@ Backward: ``dx = grad * r1 + rotate_half^T(grad * r2)`` with ``rotate_half^T(y) 
 dx in x's dtype, dr1/dr2 in r's dtype (which the check makes equal to x's, as torch_npu's Meta kernel
 assumes).
 
+Every limit of the op (the kernel's and torchair's GE converters') lives in :func:`rotary_mul_violation`.
 The layout-dependent kernel limits (B, N < 1000; B·N ≤ 1024 when r1/r2 need grad; B·N ≤ 8·S for BNSD
-with a 32-byte aligned D) cannot be checked from shapes alone, since the layout is ambiguous (S = 1,
-N = 1); a rewrite that knows its layout calls :func:`rotary_mul_limit_violation` before emitting.
+with a 32-byte aligned D) cannot be checked by the stand-in, since the layout is ambiguous (S = 1,
+N = 1); a rewrite that knows its layout passes it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false, is_concrete_int
 
 ROTARY_MUL_SCHEMA = (
     "npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half', Tensor? rotate=None) -> Tensor"
@@ -46,53 +48,165 @@ MAX_BN_WITH_R_GRAD = 1024
 BNSD_ALIGN_BYTES = 32
 #: The x layouts the kernel tells apart (by r1/r2's broadcast pattern).
 LAYOUTS = ("BNSD", "BSND", "SBND")
+#: The r1/r2 shapes the kernel accepts for each x layout (``1`` = a broadcast dim).
+ACCEPTED_R_SHAPES = {"BSND": ("1S1D", "BS1D", "BSND"), "BNSD": ("11SD", "B1SD", "BNSD"), "SBND": ("S11D", "SB1D", "SBND")}
+#: torchair's GE converter of ``npu_rotary_mul_backward`` (A2/A3, RotaryMulGrad) needs D % this == 0.
+GE_BACKWARD_HEAD_DIM_MULTIPLE = 64
+#: ... and the product of x's dims that r1/r2 broadcast along to be at most this.
+GE_BACKWARD_MAX_BROADCAST = 1024
+#: Where the converter limits come from (named in every refusal they cause).
+GE_BACKWARD_CONVERTER = (
+    "torchair GE converter of npu_rotary_mul_backward (torch_npu 2.13.0/2.9.0 "
+    "ge_converter/custom/npu_rotary_mul_backward.py, RotaryMulGrad on A2/A3)"
+)
 
 
-def rotary_mul_limit_violation(
-    x_shape: Sequence[int],
-    dtype: torch.dtype,
-    layout: str,
-    r_requires_grad: bool = False,
+def _hint(size):
+    """A size for messages: the int itself, or a symbolic size's value in this graph (no guard)."""
+    if is_concrete_int(size):
+        return int(size)
+    return size.node.hint if size.node.has_hint() else size
+
+
+def _holds(condition) -> bool:
+    """A size condition, for symbolic sizes too: decided on this graph's sizes *with a guard*, so that
+    Dynamo recompiles (and the check is asked again) when a later size breaks it; never specialises."""
+    return guard_or_false(condition)
+
+
+def rotary_mul_violation(
+    x,
+    r1,
+    r2,
+    *,
+    layout: str | None = None,
+    r_requires_grad: bool | None = None,
+    backward: bool = False,
+    downstream: str | None = None,
 ) -> str | None:
-    """Says why ``npu_rotary_mul`` on A2/A3 would refuse x of this shape in this layout, if it would.
+    """Why ``npu_rotary_mul(x, r1, r2, 'half')`` (and its backward) would fail, or None: the one home of
+    this op's limits, used by the stand-in's validation, ``patterns/rotary.py`` and the GE conversion check.
 
-    The documented limits (torch_npu 2.13.0; ``npu-op-contracts.md``): fp16/bf16/fp32; D even and
-    < :data:`MAX_HEAD_DIM`; B, N < :data:`MAX_BATCH_OR_HEADS`; B·N ≤ :data:`MAX_BN_WITH_R_GRAD` when
-    r1/r2 need grad; for BNSD with ``D * element_size`` a multiple of :data:`BNSD_ALIGN_BYTES` (D=128 in
-    bf16), B·N ≤ 8·S (ms-swift #9329: HF's head-first layout fails at decode).
+    Kernel limits (torch_npu 2.13.0 ``_op_plugin_docs.py`` ``npu_rotary_mul``; ``npu-op-contracts.md``):
+    x 3-D or 4-D in fp16/bf16/fp32; r1/r2 in x's dtype, of one shape, x's rank, each dim x's or 1, last
+    dim D; D even and < :data:`MAX_HEAD_DIM`. With a known ``layout`` (the stand-in cannot tell: S = 1 or
+    N = 1 makes it ambiguous) also: r1/r2 of a shape in :data:`ACCEPTED_R_SHAPES`; B, N <
+    :data:`MAX_BATCH_OR_HEADS`; B·N ≤ :data:`MAX_BN_WITH_R_GRAD` when r1/r2 need grad; for BNSD with
+    ``D * element_size`` a multiple of :data:`BNSD_ALIGN_BYTES` (D=128 in bf16), B·N ≤ 8·S (error
+    561002, ms-swift #9329).
+
+    Converter limits, with ``backward=True`` and ``downstream="torchair"`` (:data:`GE_BACKWARD_CONVERTER`):
+    x, r1, r2 4-D, every size static, D % :data:`GE_BACKWARD_HEAD_DIM_MULTIPLE` == 0 and the dims r1/r2
+    broadcast along multiplying to ≤ :data:`GE_BACKWARD_MAX_BROADCAST`; otherwise the converter raises.
+    The forward converter (``custom/npu_rotary_mul.py``, RotaryMul) has no limits of its own. Ascend 950
+    (arch35) converts the backward to RotaryPositionEmbeddingGrad without them, but the chip is not known
+    at compile time, so they always apply.
 
     Args:
-        x_shape: the 4-D shape of x (a 3-D shape is read as the 4-D one without its leading B = 1).
-        dtype: x's dtype.
-        layout: one of :data:`LAYOUTS`.
-        r_requires_grad: whether r1/r2 (cos/sin) need grad.
+        x: the kernel's x (a tensor, FakeTensor or meta tensor; sizes may be symbolic).
+        r1: cos as the kernel receives it.
+        r2: sin, like r1.
+        layout: x's layout (one of :data:`LAYOUTS`) when known, else None.
+        r_requires_grad: whether r1/r2 need grad; None reads ``r1/r2.requires_grad``.
+        backward: whether ``npu_rotary_mul_backward`` will run too (x or r1/r2 need grad).
+        downstream: the backend the graph is handed to; ``"torchair"`` adds the GE converter's limits.
 
     Returns:
-        None when supported, else a one-line reason.
+        None when supported, else a one-line reason. Size limits on symbolic sizes are decided for this
+        graph's sizes with a guard (:func:`_holds`); the converter's "static shapes" is decided without
+        one (``is_concrete_int``).
 
     Raises:
-        ValueError: an unknown layout or a shape that is neither 3-D nor 4-D.
+        ValueError: an unknown layout.
     """
-    if layout not in LAYOUTS:
+    if layout is not None and layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    shape = [int(s) for s in x_shape]
-    if len(shape) == 3:
-        # 3-D x: the layout's leading dim is absent; treat it as 1.
-        shape = [1, *shape] if layout != "SBND" else [shape[0], 1, *shape[1:]]
-    if len(shape) != 4:
-        raise ValueError(f"x must be 3-D or 4-D, got shape {tuple(x_shape)}")
-    if dtype not in SUPPORTED_DTYPES:
-        return f"dtype {dtype} not in fp16/bf16/fp32"
-    dims = dict(zip(layout, shape))
-    b, n, s, d = dims["B"], dims["N"], dims["S"], dims["D"]
-    if d % 2 != 0 or d >= MAX_HEAD_DIM:
-        return f"head dim D={d} must be even and < {MAX_HEAD_DIM}"
-    if b >= MAX_BATCH_OR_HEADS or n >= MAX_BATCH_OR_HEADS:
-        return f"B={b} and N={n} must both be < {MAX_BATCH_OR_HEADS}"
-    if r_requires_grad and b * n > MAX_BN_WITH_R_GRAD:
-        return f"B*N={b * n} > {MAX_BN_WITH_R_GRAD} while r1/r2 need grad"
-    if layout == "BNSD" and (d * dtype.itemsize) % BNSD_ALIGN_BYTES == 0 and b * n > 8 * s:
-        return f"BNSD with aligned D={d} needs B*N <= 8*S, got B*N={b * n}, S={s} (error 561002; use BSND)"
+    if x.dim() not in (3, 4):
+        return f"x must be 3-D or 4-D, got shape {tuple(x.shape)}"
+    if x.dtype not in SUPPORTED_DTYPES:
+        return f"unsupported dtype {x.dtype}; npu_rotary_mul takes fp16, bf16, fp32"
+    if r1.dtype != x.dtype or r2.dtype != x.dtype:
+        return (
+            f"dtype mismatch: x {x.dtype}, cos {r1.dtype}, sin {r2.dtype}; npu_rotary_mul needs r1/r2 (cos/sin) "
+            "in x's dtype (HF promotes the mixed product, the kernel returns x's dtype)"
+        )
+    if r1.dim() != x.dim() or r2.dim() != x.dim():
+        return f"r1/r2 must have x's rank {x.dim()}, got shapes {tuple(r1.shape)}, {tuple(r2.shape)}"
+    if not all(_holds(a == b) for a, b in zip(r1.shape, r2.shape)):
+        return f"r1 shape {tuple(r1.shape)} != r2 shape {tuple(r2.shape)}"
+    d = x.shape[-1]
+    if not _holds(r1.shape[-1] == d):
+        return f"last dim of r1/r2 {r1.shape[-1]} != x's {d}"
+    for i, (rs, xs) in enumerate(zip(r1.shape, x.shape)):
+        if not (_holds(rs == xs) or _holds(rs == 1)):
+            return f"r1/r2 shape {tuple(r1.shape)} does not broadcast to x {tuple(x.shape)} (dim {i})"
+    if not (_holds(d % 2 == 0) and _holds(d < MAX_HEAD_DIM)):
+        return f"head dim D={_hint(d)} must be even and < {MAX_HEAD_DIM}"
+    if r_requires_grad is None:
+        r_requires_grad = bool(r1.requires_grad or r2.requires_grad)
+    if layout is not None:
+        reason = _layout_violation(x, r1, r2, layout, r_requires_grad)
+        if reason is not None:
+            return reason
+    if backward and downstream == "torchair":
+        return _ge_backward_violation(x, r1, r2)
+    return None
+
+
+def _r_shape_ok(x, r, layout: str) -> bool:
+    """Whether r's shape is one the kernel accepts for x in ``layout`` (:data:`ACCEPTED_R_SHAPES`)."""
+    return any(
+        all(_holds(r.shape[dim] == (1 if label == "1" else x.shape[dim])) for dim, label in enumerate(accepted))
+        for accepted in ACCEPTED_R_SHAPES[layout]
+    )
+
+
+def _layout_violation(x, r1, r2, layout: str, r_requires_grad: bool) -> str | None:
+    if x.dim() != 4:
+        return f"x, cos and sin must be 4-D for a {layout} rewrite, got x {tuple(x.shape)}"
+    if not (_r_shape_ok(x, r1, layout) and _r_shape_ok(x, r2, layout)):
+        return (
+            f"cos {tuple(r1.shape)} / sin {tuple(r2.shape)} is not a shape npu_rotary_mul accepts for {layout} "
+            f"x {tuple(x.shape)} ({'/'.join(ACCEPTED_R_SHAPES[layout])})"
+        )
+    dims = dict(zip(layout, x.shape))
+    if not is_concrete_int(dims["D"]):
+        return f"symbolic head dim D={dims['D']}; the layout limits need a static D"
+    b, n, s, d = dims["B"], dims["N"], dims["S"], int(dims["D"])
+    shown = {key: _hint(value) for key, value in dims.items()}
+    if not (_holds(b < MAX_BATCH_OR_HEADS) and _holds(n < MAX_BATCH_OR_HEADS)):
+        return f"B={shown['B']} and N={shown['N']} must both be < {MAX_BATCH_OR_HEADS}"
+    if r_requires_grad and not _holds(b * n <= MAX_BN_WITH_R_GRAD):
+        return f"B*N={shown['B'] * shown['N']} > {MAX_BN_WITH_R_GRAD} while r1/r2 need grad"
+    aligned = (d * x.dtype.itemsize) % BNSD_ALIGN_BYTES == 0
+    if layout == "BNSD" and aligned and not _holds(b * n <= 8 * s):
+        return (
+            f"BNSD with aligned D={d} needs B*N <= 8*S, got B*N={shown['B'] * shown['N']}, "
+            f"S={shown['S']} (error 561002; use BSND)"
+        )
+    return None
+
+
+def _ge_backward_violation(x, r1, r2) -> str | None:
+    if x.dim() != 4:
+        return f"{GE_BACKWARD_CONVERTER} needs 4-D x, cos and sin, got x {tuple(x.shape)}"
+    if not all(is_concrete_int(size) for t in (x, r1, r2) for size in t.shape):
+        return (
+            f"{GE_BACKWARD_CONVERTER} needs static shapes, got x {tuple(x.shape)}, cos {tuple(r1.shape)} "
+            "(dynamic sizes, e.g. a varying sequence length under dynamic=True)"
+        )
+    d = int(x.shape[-1])
+    if d % GE_BACKWARD_HEAD_DIM_MULTIPLE != 0:
+        return f"{GE_BACKWARD_CONVERTER} needs head dim D % {GE_BACKWARD_HEAD_DIM_MULTIPLE} == 0, got D={d}"
+    broadcast = 1
+    for xs, rs in zip(x.shape, r1.shape):
+        if int(xs) != int(rs):
+            broadcast *= int(xs)
+    if broadcast > GE_BACKWARD_MAX_BROADCAST:
+        return (
+            f"{GE_BACKWARD_CONVERTER} needs the dims cos/sin broadcast along to multiply to "
+            f"<= {GE_BACKWARD_MAX_BROADCAST}, got {broadcast}"
+        )
     return None
 
 
@@ -108,29 +222,9 @@ def _check(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rotary_mode: str
     _check_mode("npu_rotary_mul", rotary_mode)
     if rotate is not None:
         raise RuntimeError("npu_rotary_mul: the 'rotate' matrix argument is not simulated (pass rotate=None)")
-    if x.dim() not in (3, 4):
-        raise RuntimeError(f"npu_rotary_mul: x must be 3-D or 4-D, got shape {tuple(x.shape)}")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise RuntimeError(f"npu_rotary_mul: unsupported dtype {x.dtype} (fp16/bf16/fp32 only)")
-    if r1.dtype != x.dtype or r2.dtype != x.dtype:
-        raise RuntimeError(
-            f"npu_rotary_mul: r1/r2 dtypes ({r1.dtype}, {r2.dtype}) must equal x's dtype {x.dtype}"
-        )
-    if tuple(r1.shape) != tuple(r2.shape):
-        raise RuntimeError(f"npu_rotary_mul: r1 shape {tuple(r1.shape)} != r2 shape {tuple(r2.shape)}")
-    if r1.dim() != x.dim():
-        raise RuntimeError(f"npu_rotary_mul: r1/r2 must have x's rank {x.dim()}, got shape {tuple(r1.shape)}")
-    if r1.shape[-1] != x.shape[-1]:
-        raise RuntimeError(f"npu_rotary_mul: last dim of r1/r2 {r1.shape[-1]} != x's {x.shape[-1]}")
-    for i, (rs, xs) in enumerate(zip(r1.shape, x.shape)):
-        if rs != xs and rs != 1:
-            raise RuntimeError(
-                f"npu_rotary_mul: r1/r2 shape {tuple(r1.shape)} does not broadcast to x {tuple(x.shape)} "
-                f"(dim {i})"
-            )
-    d = x.shape[-1]
-    if d % 2 != 0 or d >= MAX_HEAD_DIM:
-        raise RuntimeError(f"npu_rotary_mul: head dim D={d} must be even and < {MAX_HEAD_DIM}")
+    reason = rotary_mul_violation(x, r1, r2, r_requires_grad=False)
+    if reason is not None:
+        raise RuntimeError(f"npu_rotary_mul: {reason}")
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

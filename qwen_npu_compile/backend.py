@@ -5,7 +5,8 @@ Registered only through the ``torch_dynamo_backends`` entry point (``pyproject.t
 at ``import torch`` time::
 
     Dynamo graph --(canonicalize)--> pre-autograd ATen graph --(fuse, per family)--> rewritten graph
-                 --(hand off)--> torchair (real torch_npu) | aot_eager (default off-NPU) | eager | inductor
+                 --(hand off)--> torchair (real torch_npu, or off-NPU conversion check) | aot_eager (default off-NPU)
+                                 | eager | inductor
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import torch.fx
 from . import canonicalize
 from .config import ALL_FAMILIES, QwenNpuConfig
 from .fusion import CompileTarget, RefusalRecorder, targeting
+from .handoff import check_offline_mode, hand_off
 from .npu_ops import NpuOpsStatus, ensure_npu_ops
-from .report import SUMMARY, FusionError, GraphReport, npu_op_counts, write_graph_dump, write_report
+from .report import SUMMARY, FusionError, GraphReport, write_graph_dump, write_report
 
 log = logging.getLogger("qwen_npu_compile")
 
@@ -47,8 +49,10 @@ def qwen_npu_backend(
         The compiled callable of the downstream backend.
 
     Raises:
-        ValueError: a bad option or env value, ``mode`` given, or ``downstream="torchair"`` without a
-            usable torch_npu.
+        ValueError: a bad option or env value, ``mode`` given, or ``downstream="torchair"`` off-NPU with
+            ``torchair_mode="reduce-overhead"``.
+        qwen_npu_compile.torchair_offline.TorchairUnavailableError: ``downstream="torchair"`` off-NPU and
+            the paired torch_npu wheel could not be obtained (no network and none cached).
         FusionError: strict mode and an enabled family refused or near-missed a match.
     """
     if mode is not None:
@@ -98,16 +102,16 @@ def bind_trailing_inputs(compiled, extra: list[torch.Tensor]):
 def resolve_downstream(config: QwenNpuConfig, status: NpuOpsStatus) -> str:
     """The downstream backend: the configured one, else torchair with real ops, else aot_eager.
 
+    ``torchair`` with simulated ops is the off-NPU conversion check (torchair from the paired torch_npu
+    wheel, see :mod:`qwen_npu_compile.torchair_offline`); the wheel is obtained at the hand-off.
+
     Raises:
-        ValueError: torchair asked for while the ops are simulated.
+        ValueError: torchair off-NPU with a torchair mode that cannot run there (``reduce-overhead``).
     """
     if config.downstream is None:
         return "aot_eager" if status.simulated else "torchair"
     if config.downstream == "torchair" and status.simulated:
-        raise ValueError(
-            f"qwen_npu: downstream 'torchair' needs torch_npu ({status.reason}); on a host without an "
-            "Ascend NPU use downstream 'aot_eager', 'eager' or 'inductor'"
-        )
+        check_offline_mode(config)
     return config.downstream
 
 
@@ -188,38 +192,3 @@ def publish(report: GraphReport, config: QwenNpuConfig) -> None:
     if config.dump_dir is not None:
         write_report(report, dump_root(config))
 
-
-def _recording_compiler(kind: str, report: GraphReport, config: QwenNpuConfig):
-    from torch._functorch.aot_autograd import make_boxed_func
-
-    def compiler(gm: torch.fx.GraphModule, example_inputs):
-        report.aot_ops[kind] = npu_op_counts(gm.graph)
-        if config.dump_dir is not None:
-            write_graph_dump(dump_root(config) / report.name, f"aot_{kind}", gm)
-            write_report(report, dump_root(config))
-        return make_boxed_func(gm.forward)
-
-    return compiler
-
-
-def hand_off(downstream: str, gm: torch.fx.GraphModule, example_inputs, report: GraphReport, config: QwenNpuConfig):
-    """Compile the rewritten graph with the downstream backend and return its callable."""
-    if downstream == "torchair":
-        import torchair  # installed by `import torch_npu`
-
-        return torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())(gm, example_inputs)
-    if downstream == "aot_eager":
-        # aot_eager with compilers that record which npu ops reach the AOT forward/backward graphs
-        # (the backward should hold npu_rms_norm_backward etc., as it would on an NPU).
-        from torch._dynamo.backends.common import aot_autograd
-
-        backend = aot_autograd(
-            fw_compiler=_recording_compiler("forward", report, config),
-            bw_compiler=_recording_compiler("backward", report, config),
-        )
-        return backend(gm, example_inputs)
-    if downstream == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-
-        return compile_fx(gm, example_inputs)
-    return gm.forward

@@ -13,6 +13,15 @@ option             environment variable    meaning
                                            (default: torchair with real torch_npu, else aot_eager)
 ``strict``         ``QWEN_NPU_STRICT``     raise when an enabled family refused or near-missed a match
 =================  ======================  ==============================================================
+
+torchair settings (used only when the downstream is ``torchair``; option / environment variable):
+
+- ``torchair_mode`` / ``QWEN_NPU_TORCHAIR_MODE``: ``max-autotune`` (default: GE graph mode) or
+  ``reduce-overhead`` (torchair's ACL graph capture; NPU only).
+- ``torchair_dump`` / ``QWEN_NPU_TORCHAIR_DUMP``: torchair's GE graph dump, ``pbtxt``, ``txt``, ``py``
+  or ``none`` (default); written to ``<dump_dir>/<graph>/torchair/``, so it needs ``dump_dir``.
+- ``torchair_run_eagerly`` / ``QWEN_NPU_TORCHAIR_RUN_EAGERLY``: torchair's ``debug.run_eagerly`` (build
+  the GE graph, then run the FX graph eagerly); default off on an NPU, always on off-NPU (GE cannot run).
 """
 
 from __future__ import annotations
@@ -30,12 +39,24 @@ ENV_FUSIONS = "QWEN_NPU_FUSIONS"
 ENV_DUMP_DIR = "QWEN_NPU_DUMP_DIR"
 ENV_DOWNSTREAM = "QWEN_NPU_DOWNSTREAM"
 ENV_STRICT = "QWEN_NPU_STRICT"
+ENV_TORCHAIR_MODE = "QWEN_NPU_TORCHAIR_MODE"
+ENV_TORCHAIR_DUMP = "QWEN_NPU_TORCHAIR_DUMP"
+ENV_TORCHAIR_RUN_EAGERLY = "QWEN_NPU_TORCHAIR_RUN_EAGERLY"
+
+#: torchair ``CompilerConfig.mode`` values this backend accepts (torch_npu 2.13.0
+#: ``torchair/configs/compiler_config.py``; "npugraph_ex" is a separate torchair backend).
+TORCHAIR_MODES: tuple[str, ...] = ("max-autotune", "reduce-overhead")
+#: torchair ``debug.graph_dump.type`` values (torch_npu 2.13.0 ``torchair/configs/debug_config.py``).
+TORCHAIR_DUMP_TYPES: tuple[str, ...] = ("pbtxt", "txt", "py")
 
 _OPTION_TO_ENV = {
     "fusions": ENV_FUSIONS,
     "dump_dir": ENV_DUMP_DIR,
     "downstream": ENV_DOWNSTREAM,
     "strict": ENV_STRICT,
+    "torchair_mode": ENV_TORCHAIR_MODE,
+    "torchair_dump": ENV_TORCHAIR_DUMP,
+    "torchair_run_eagerly": ENV_TORCHAIR_RUN_EAGERLY,
 }
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -52,12 +73,18 @@ class QwenNpuConfig:
             (torchair with a real torch_npu, aot_eager otherwise).
         strict: when True, a refused or near-missed match of an enabled family raises
             :class:`qwen_npu_compile.report.FusionError`.
+        torchair_mode: torchair's ``CompilerConfig.mode``, one of :data:`TORCHAIR_MODES`.
+        torchair_dump: torchair's GE graph dump type (one of :data:`TORCHAIR_DUMP_TYPES`) or None.
+        torchair_run_eagerly: torchair's ``debug.run_eagerly``; None means "off on an NPU, on off-NPU".
     """
 
     fusions: frozenset[str] = frozenset(ALL_FAMILIES)
     dump_dir: Path | None = None
     downstream: str | None = None
     strict: bool = False
+    torchair_mode: str = "max-autotune"
+    torchair_dump: str | None = None
+    torchair_run_eagerly: bool | None = None
 
     @classmethod
     def from_options(
@@ -113,7 +140,24 @@ class QwenNpuConfig:
 
         strict_value, where = pick("strict")
         strict = False if strict_value is None else parse_bool(strict_value, where)
-        return cls(fusions=fusions, dump_dir=dump_dir, downstream=downstream, strict=strict)
+
+        mode_value, where = pick("torchair_mode")
+        torchair_mode = "max-autotune" if mode_value in (None, "") else parse_choice(mode_value, TORCHAIR_MODES, where)
+
+        dump_type_value, where = pick("torchair_dump")
+        torchair_dump = None
+        if dump_type_value not in (None, "") and str(dump_type_value).strip().lower() not in ("none", "off"):
+            torchair_dump = parse_choice(dump_type_value, TORCHAIR_DUMP_TYPES, where, extra="or 'none'")
+            if dump_dir is None:
+                raise ValueError(
+                    f"qwen_npu: {where} = {dump_type_value!r} needs a dump folder: set option 'dump_dir' or "
+                    f"{ENV_DUMP_DIR} (torchair's graphs go to <dump_dir>/<graph>/torchair/)"
+                )
+
+        eagerly_value, where = pick("torchair_run_eagerly")
+        torchair_run_eagerly = None if eagerly_value in (None, "") else parse_bool(eagerly_value, where)
+        return cls(fusions=fusions, dump_dir=dump_dir, downstream=downstream, strict=strict,
+                   torchair_mode=torchair_mode, torchair_dump=torchair_dump, torchair_run_eagerly=torchair_run_eagerly)
 
 
 def parse_fusions(value: object, where: str = "fusions") -> frozenset[str]:
@@ -144,6 +188,18 @@ def parse_fusions(value: object, where: str = "fusions") -> frozenset[str]:
             f"valid: 'all', 'none' or a comma-separated subset of {list(ALL_FAMILIES)}"
         )
     return frozenset(items)
+
+
+def parse_choice(value: object, choices: tuple[str, ...], where: str, extra: str = "") -> str:
+    """Parse one of ``choices`` (case-insensitive, surrounding blanks ignored).
+
+    Raises:
+        ValueError: any other value (or a non-string); the message lists the choices.
+    """
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text not in choices:
+        raise ValueError(f"qwen_npu: {where} = {value!r} is not valid; choose one of {list(choices)}{' ' + extra if extra else ''}")
+    return text
 
 
 def parse_bool(value: object, where: str) -> bool:

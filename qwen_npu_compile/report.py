@@ -16,10 +16,14 @@ import platform
 import threading
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .fusion import Refusal
+
+if TYPE_CHECKING:
+    from .torchair_offline.convert import GeResults
 
 log = logging.getLogger("qwen_npu_compile")
 
@@ -44,6 +48,8 @@ class GraphReport:
         seconds: wall time per step (``canonicalize``, ``fuse``), seconds.
         aot_ops: npu op counts in the AOT ``forward`` and ``backward`` graphs (aot_eager downstream).
         fallback: why the graph was compiled unfused (it could not be retraced faithfully), or None.
+        ge: torchair's FX→GE conversion of this graph when the downstream is torchair off-NPU (torch_npu
+            version, GE op counts per GE graph, every node that failed to convert), else None.
     """
 
     name: str
@@ -58,6 +64,7 @@ class GraphReport:
     aot_ops: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     dump_path: str | None = None
     fallback: str | None = None
+    ge: GeResults | None = None
 
     def as_dict(self) -> dict:
         data = dataclasses.asdict(self)
@@ -68,6 +75,8 @@ class GraphReport:
         fused = ", ".join(f"{family} {self.fusions.get(family, 0)}" for family in self.families) or "no family enabled"
         extra = f"; already fused: {self.already_fused}" if any(self.already_fused.values()) else ""
         refused = f"; {len(self.refused)} refused (see dump)" if self.refused else ""
+        if self.ge is not None and self.ge.failures:
+            refused += f"; {len(self.ge.failures)} node(s) failed GE conversion"
         if self.fallback:
             refused += f"; UNFUSED: {self.fallback}"
         return (
@@ -101,8 +110,21 @@ def versions() -> dict[str, str | None]:
         "torch": torch.__version__,
         "transformers": version("transformers"),
         "torch_npu": version("torch_npu") or version("torch-npu"),
+        "torchair_offline": _offline_torchair_version(),
         "qwen_npu_compile": version("qwen_npu_compile"),
     }
+
+
+def _offline_torchair_version() -> str | None:
+    """The torch_npu version of the off-NPU torchair loaded in this process, or None."""
+    import sys
+
+    if "qwen_npu_compile.torchair_offline" not in sys.modules:
+        return None
+    from .torchair_offline import loaded_offline_torchair
+
+    offline = loaded_offline_torchair()
+    return offline.torch_npu_version if offline is not None else None
 
 
 class Summary:

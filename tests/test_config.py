@@ -34,7 +34,7 @@ def test_parse_fusions(value, expected):
 
 
 @pytest.mark.parametrize("options,env,message", [
-    ({"fusion": "all"}, {}, r"unknown option\(s\) \['fusion'\]; valid options are \['downstream', 'dump_dir', 'fusions', 'strict'\]"),
+    ({"fusion": "all"}, {}, r"unknown option\(s\) \['fusion'\]; valid options are \['downstream', 'dump_dir', 'fusions', 'strict', 'torchair_dump', 'torchair_mode', 'torchair_run_eagerly'\]"),
     ({"fusions": "rmsnorm"}, {}, r"unknown fusion family \['rmsnorm'\].*'rms_norm'"),
     ({}, {"QWEN_NPU_FUSIONS": "all,rotary"}, r"QWEN_NPU_FUSIONS names unknown fusion family \['all'\]"),
     ({}, {"QWEN_NPU_FUSIONS": " "}, r"QWEN_NPU_FUSIONS is empty; use 'all', 'none'"),
@@ -70,9 +70,12 @@ def test_mode_is_refused_with_a_pointer_to_downstream(npu_ops):
         torch.compile(lambda x: x * 2, backend="qwen_npu", mode="max-autotune")(torch.ones(2))
 
 
-def test_torchair_downstream_without_torch_npu_is_a_clear_error(npu_ops):
-    with pytest.raises(Exception, match=r"downstream 'torchair' needs torch_npu.*use downstream 'aot_eager'"):
-        torch.compile(lambda x: x * 2, backend="qwen_npu", options={"downstream": "torchair"})(torch.ones(2))
+def test_torchair_reduce_overhead_off_npu_is_a_clear_error(simulated_npu_ops):
+    # off-NPU, downstream torchair is the FX->GE conversion check (tests/test_torchair_offline.py);
+    # torchair's ACL-graph mode has no conversion to check
+    options = {"downstream": "torchair", "torchair_mode": "reduce-overhead"}
+    with pytest.raises(Exception, match=r"torchair_mode 'reduce-overhead' captures an ACL graph on the NPU"):
+        torch.compile(lambda x: x * 2, backend="qwen_npu", options=options)(torch.ones(2))
 
 
 @pytest.mark.parametrize("downstream", ["eager", "inductor"])

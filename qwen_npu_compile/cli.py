@@ -4,8 +4,10 @@
 ``torch.compile(backend="qwen_npu")`` forward (and backward in train mode) on the same random tokens,
 and prints, stage by stage, then as a table: per family fused vs expected (from the config), the
 error of logits and gradients against eager with the tolerance used, compile time, and a verdict.
+With ``--downstream torchair`` on a host without an NPU, torchair's own FX→GE conversion runs off-NPU
+(:mod:`qwen_npu_compile.torchair_offline`) and the check also fails on any node that did not convert.
 Exit status 0 only when every expected fusion happened and parity holds (1: check failed,
-2: bad arguments or the run would not fit in memory).
+2: bad arguments, the run would not fit in memory, or torchair could not be obtained).
 """
 
 from __future__ import annotations
@@ -85,7 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--fusions", default=None,
                        help=f"families to enable: all, none or a subset of {','.join(ALL_FAMILIES)} "
                             "(default: $QWEN_NPU_FUSIONS, else all)")
-    check.add_argument("--downstream", choices=DOWNSTREAMS, default=None, help="backend after fusion (default: torchair on NPU, else aot_eager)")
+    check.add_argument("--downstream", choices=DOWNSTREAMS, default=None,
+                       help="backend after fusion (default: torchair on NPU, else aot_eager); torchair without an NPU "
+                            "runs torchair's FX->GE conversion off-NPU (torch_npu wheel downloaded into a cache)")
+    check.add_argument("--dynamic", action="store_true",
+                       help="mark the sequence length dynamic (torch._dynamo.mark_dynamic(input_ids, 1)), as verl's "
+                            "varying micro-batch lengths make it")
     check.add_argument("--dump-dir", type=Path, default=None, help="write graphs, report.json and summary.json here")
     check.add_argument("--json", type=Path, default=None, dest="json_path", metavar="FILE", help="write the results as JSON")
     check.add_argument("-v", "--verbose", action="store_true", help="log every qwen_npu line")
@@ -187,7 +194,7 @@ def run_check(args: argparse.Namespace) -> dict:
                "dump_dir": str(args.dump_dir) if args.dump_dir is not None else None}
     options = {key: value for key, value in options.items() if value is not None}
     backend_config = QwenNpuConfig.from_options(options)
-    resolve_downstream(backend_config, ensure_npu_ops())
+    chosen_downstream = resolve_downstream(backend_config, ensure_npu_ops())
     fusions = backend_config.fusions
     config = models.resolve_model_config(args.model)
     layers = args.layers or config.num_hidden_layers
@@ -207,7 +214,17 @@ def run_check(args: argparse.Namespace) -> dict:
 
     status = ensure_npu_ops()
     half = dtype != torch.float32
-    stages = _Stages(6 if half else 5)
+    offline_torchair = chosen_downstream == "torchair" and status.simulated
+    stages = _Stages((6 if half else 5) + (1 if offline_torchair else 0))
+    torchair_seconds = {}
+    if offline_torchair:
+        from .torchair_offline import load_offline_torchair
+
+        stages.begin("obtaining torchair off-NPU (torch_npu wheel paired with this torch; stand-in CANN extensions)")
+        offline = load_offline_torchair()
+        torchair_seconds = {f"torchair_{key}": value for key, value in offline.sources.seconds.items()}
+        torchair_seconds["torchair_import"] = offline.import_seconds
+        stages.end(f"torch_npu {offline.torch_npu_version}, wheel {offline.sources.wheel.name}")
     stages.begin(f"building {args.model}: {layers} layers, {args.dtype}, attn={args.attn}, mode={args.mode}")
     model, info = models.build_model(args.model, layers=layers, dtype=dtype, attn=args.attn)
     model.train(train)
@@ -230,9 +247,14 @@ def run_check(args: argparse.Namespace) -> dict:
         stages.end()
 
     first_report = len(get_reports())
-    stages.begin(f"compiling with backend='qwen_npu' ({status.kind} npu ops) and running it once")
+    if args.dynamic:
+        if args.seq_len < 2:
+            raise ValueError("--dynamic needs --seq-len >= 2 (Dynamo specialises sizes 0 and 1)")
+        torch._dynamo.mark_dynamic(input_ids, 1)
+    stages.begin(f"compiling with backend='qwen_npu' ({status.kind} npu ops{', dynamic sequence length' if args.dynamic else ''}) "
+                 "and running it once")
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="qwen_npu", options=options, dynamic=False)
+    compiled = torch.compile(model, backend="qwen_npu", options=options, dynamic=None if args.dynamic else False)
     start = time.perf_counter()
     compiled_logits, compiled_grads = _run(model, compiled, input_ids, train)
     compile_seconds = time.perf_counter() - start
@@ -272,6 +294,14 @@ def run_check(args: argparse.Namespace) -> dict:
     for what, row in (("logits", logits_parity), ("gradients", grads_parity)):
         if row is not None and not row["ok"]:
             problems.append(f"{what} parity: {row['judged']} {row.get('compiled_rel_l2_to_fp32', row['rel_l2']):.2e} > bound {row['bound']:.2e}")
+    ge = ge_results(reports, status)
+    if ge is not None:
+        kinds = [graph["kind"] for graph in ge["graphs"]]
+        for kind in ("forward", "backward") if train else ("forward",):
+            if kind not in kinds:
+                problems.append(f"GE conversion: torchair built no {kind} graph")
+        if ge["failures"]:
+            problems.append(f"GE conversion: {len(ge['failures'])} node(s) failed to convert")
     if train:
         if missing:
             problems.append(f"gradients missing or extra for {missing[:3]}")
@@ -281,12 +311,13 @@ def run_check(args: argparse.Namespace) -> dict:
                 if backward_ops.get(op, 0) != count:
                     problems.append(f"AOT backward holds {backward_ops.get(op, 0)} {op}, expected {count}")
 
-    return {
+    result = {
         "model": info,
         "settings": {
             "batch": args.batch, "seq_len": args.seq_len, "dtype": args.dtype, "mode": args.mode,
-            "attn": args.attn, "fusions": sorted(fusions), "downstream": downstream,
+            "attn": args.attn, "fusions": sorted(fusions), "downstream": downstream, "dynamic": args.dynamic,
         },
+        "versions": run_versions(status),
         "simulated": status.simulated,
         "npu_ops": status.reason,
         "fusions": {family: {"fused": fused[family], "already_fused": already[family], "expected": expected[family]} for family in expected},
@@ -305,10 +336,56 @@ def run_check(args: argparse.Namespace) -> dict:
             "steady_compiled_run": steady_seconds,
             "qwen_npu_canonicalize": sum(r.seconds.get("canonicalize", 0) for r in reports),
             "qwen_npu_fuse": sum(r.seconds.get("fuse", 0) for r in reports),
+            **torchair_seconds,
         },
         "graphs": len(reports),
         "problems": problems,
         "verdict": "PASS" if not problems else "FAIL",
+    }
+    if ge is not None:
+        result["ge"] = ge
+    return result
+
+
+def run_versions(status) -> dict:
+    """Where the check ran: python, torch, transformers, torch_npu (real version, or None when the npu ops
+    are simulated), ``npu_ops`` (``"real"``/``"simulated"``), ``torchair`` (``"<torch_npu version>
+    (off-NPU, from the wheel)"``, ``"<version> (installed)"`` or None) and qwen_npu_compile."""
+    from .report import versions
+    from .torchair_offline import loaded_offline_torchair
+
+    found = versions()
+    offline = loaded_offline_torchair() if status.simulated else None
+    torchair = None
+    if offline is not None:
+        torchair = f"{offline.torch_npu_version} (off-NPU, from the wheel {offline.sources.wheel.name})"
+    elif not status.simulated:
+        torchair = f"{status.torch_npu_version} (installed)"
+    return {
+        "python": found["python"], "torch": found["torch"], "transformers": found["transformers"],
+        "torch_npu": None if status.simulated else status.torch_npu_version, "npu_ops": status.kind,
+        "torchair": torchair, "qwen_npu_compile": found["qwen_npu_compile"],
+    }
+
+
+def ge_results(reports, status) -> dict | None:
+    """torchair's off-NPU FX→GE conversion of ``reports``' graphs, or None when none was converted off-NPU.
+
+    Returns:
+        ``{"torch_npu": version, "torchair": "offline", "graphs": [{"name", "kind", "qwen_npu_graph", "ops"}],
+        "failures": [{"op", "error", "source", "graph", "node", "qwen_npu_graph"}]}``.
+    """
+    converted = [report for report in reports if report.ge is not None]
+    if not converted:
+        return None
+    return {
+        "torch_npu": converted[0].ge.torch_npu,
+        "torchair": converted[0].ge.torchair,
+        "graphs": [{"name": graph.name, "kind": graph.kind, "qwen_npu_graph": report.name, "ops": dict(graph.ops)}
+                   for report in converted for graph in report.ge.graphs],
+        "failures": [{"op": f.op, "error": f.error, "source": f.source, "graph": f.graph, "node": f.node,
+                      "qwen_npu_graph": report.name}
+                     for report in converted for f in report.ge.failures],
     }
 
 
@@ -316,9 +393,14 @@ def print_table(result: dict) -> None:
     """Print the human-readable summary of :func:`run_check`'s result."""
     kind = "simulated" if result["simulated"] else "real"
     print()
+    dynamic = ", dynamic sequence length" if result["settings"].get("dynamic") else ""
     print(f"qwen_npu check: {result['model']['name']} ({result['model']['layers']} layers), "
-          f"{result['settings']['dtype']} {result['settings']['mode']}, attn={result['settings']['attn']}, "
+          f"{result['settings']['dtype']} {result['settings']['mode']}, attn={result['settings']['attn']}{dynamic}, "
           f"npu ops {kind}, downstream {result['settings']['downstream']}")
+    found = result["versions"]
+    torch_npu = found["torch_npu"] if found["torch_npu"] else "none (npu ops simulated)"
+    torchair = f", torchair {found['torchair']}" if found["torchair"] else ""
+    print(f"  ran with torch {found['torch']}, transformers {found['transformers']}, torch_npu {torch_npu}{torchair}")
     print(f"  {'family':<12}{'fused':>8}{'expected':>10}  status")
     for family, row in result["fusions"].items():
         got = row["fused"] + row["already_fused"]
@@ -347,18 +429,44 @@ def print_table(result: dict) -> None:
         print(f"  refused {refusal['family']} at {refusal['source']}: {refusal['reason']}")
     if len(result["refused"]) > 10:
         print(f"  ... {len(result['refused']) - 10} more refusals (all in --json / --dump-dir)")
+    if "ge" in result:
+        print_ge(result["ge"])
     for problem in result["problems"]:
         print(f"  problem: {problem}")
     print(f"verdict: {result['verdict']}")
 
 
+#: GE op types of the fused kernels, printed with the GE conversion line (torch_npu 2.13.0 torchair
+#: converters of npu_rms_norm(_backward), npu_swiglu(_backward), npu_rotary_mul(_backward),
+#: npu_fusion_attention(_grad)).
+FUSED_GE_OPS = ("RmsNorm", "RmsNormGrad", "SwiGlu", "SwiGluGrad", "RotaryMul", "RotaryMulGrad",
+                "FlashAttentionScore", "FlashAttentionScoreGrad")
+
+
+def print_ge(ge: dict) -> None:
+    """Print the ``GE conversion:`` line (``ok`` or the blockers) and the fused GE ops per graph."""
+    graphs = ", ".join(f"{graph['name']} ({graph['kind']})" for graph in ge["graphs"])
+    where = f"torchair of torch_npu {ge['torch_npu']}, {ge['torchair']}"
+    if not ge["failures"]:
+        print(f"  GE conversion: ok ({len(ge['graphs'])} graphs: {graphs}; {where})")
+    else:
+        print(f"  GE conversion: {len(ge['failures'])} node(s) failed ({where}):")
+        for failure in ge["failures"]:
+            print(f"    {failure['op']} at {failure['source']} ({failure['graph']}): {failure['error']}")
+    for graph in ge["graphs"]:
+        fused = ", ".join(f"{op} {graph['ops'][op]}" for op in FUSED_GE_OPS if op in graph["ops"])
+        print(f"  GE {graph['name']} ({graph['kind']}): {sum(graph['ops'].values())} ops; {fused or 'no fused op'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``qwen-npu-compile`` console script; returns the exit status."""
+    from .torchair_offline.wheel import TorchairUnavailableError
+
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         result = run_check(args)
-    except (ValueError, MemoryError) as exc:
+    except (ValueError, MemoryError, TorchairUnavailableError) as exc:
         print(f"qwen-npu-compile: error: {exc}", file=sys.stderr)
         return 2
     except torch._dynamo.exc.BackendCompilerFailed as exc:  # e.g. strict mode's FusionError

@@ -55,7 +55,8 @@ def load_offline_torchair() -> OfflineTorchair:
     Raises:
         TorchairUnavailableError: no wheel could be obtained (no network and none cached/named) or it
             failed verification; the message says how to provide one.
-        RuntimeError: another torchair is already imported, protobuf is missing, or the import failed.
+        TorchairUnavailableError: also when another torchair is already imported, protobuf is missing, or
+            the import failed.
     """
     sources = obtain_sources(torch.__version__)
     offline = import_torchair(sources)

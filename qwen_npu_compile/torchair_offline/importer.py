@@ -24,7 +24,7 @@ import types
 import warnings
 
 from .stubs import install_stubs
-from .wheel import TorchairSources
+from .wheel import TorchairSources, TorchairUnavailableError
 
 log = logging.getLogger("qwen_npu_compile")
 
@@ -55,7 +55,7 @@ def import_torchair(sources: TorchairSources) -> OfflineTorchair:
     """Import ``torchair`` from ``sources`` once per process (later calls return the same module).
 
     Raises:
-        RuntimeError: another ``torchair`` (e.g. a real one, or one from another wheel) is already
+        TorchairUnavailableError: another ``torchair`` (e.g. a real one, or one from another wheel) is already
             imported; protobuf is missing; or torchair's import failed (the cause is chained).
     """
     present = sys.modules.get("torchair")
@@ -63,11 +63,11 @@ def import_torchair(sources: TorchairSources) -> OfflineTorchair:
         loaded_from = getattr(present, OFFLINE_MARK, None)
         if loaded_from is None or loaded_from.wheel != sources.wheel:
             where = getattr(loaded_from, "wheel", None) or getattr(present, "__file__", "?")
-            raise RuntimeError(f"a torchair from {where} is already imported in this process; the off-NPU check "
+            raise TorchairUnavailableError(f"a torchair from {where} is already imported in this process; the off-NPU check "
                                f"cannot load the one of {sources.wheel} beside it (use a fresh process)")
         return OfflineTorchair(present, loaded_from, 0.0)
     if importlib.util.find_spec("google.protobuf") is None:
-        raise RuntimeError("torchair needs protobuf (>=3.13) to build GE graphs: pip install protobuf")
+        raise TorchairUnavailableError("torchair needs protobuf (>=3.13) to build GE graphs: pip install protobuf")
 
     from qwen_npu_compile.npu_ops import ensure_npu_ops
 
@@ -75,7 +75,7 @@ def import_torchair(sources: TorchairSources) -> OfflineTorchair:
     install_stubs()
     spec = importlib.machinery.PathFinder.find_spec("torchair", [str(sources.import_root)])
     if spec is None or spec.loader is None:
-        raise RuntimeError(f"no torchair package under {sources.import_root}; delete that folder to extract it again")
+        raise TorchairUnavailableError(f"no torchair package under {sources.import_root}; delete that folder to extract it again")
     on_main_thread = threading.current_thread() is threading.main_thread()
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if on_main_thread else {}
     start = time.perf_counter()
@@ -97,7 +97,7 @@ def import_torchair(sources: TorchairSources) -> OfflineTorchair:
         for name in [name for name in sys.modules if name == "torchair" or name.startswith("torchair.")]:
             if not name.startswith("torchair.core._") or name.rsplit(".", 1)[-1] in ("_backend", "_concrete_graph"):
                 sys.modules.pop(name, None)
-        raise RuntimeError(f"importing torchair from {sources.import_root} failed: {type(exc).__name__}: {exc}") from exc
+        raise TorchairUnavailableError(f"importing torchair from {sources.import_root} failed: {type(exc).__name__}: {exc}") from exc
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)

@@ -88,7 +88,10 @@ Meta kernel and torchair GE converter; :mod:`qwen_npu_compile.npu_ops.fusion_att
   HF itself compares eager and sdpa on non-padded positions only (``test_eager_matches_sdpa_inference``);
   the fused eager chain follows SDPA there.
 - ``keep_prob = 1 - dropout_p``. torchair's GE converter takes ``keep_prob == 1`` only and BSH/BNSD
-  layouts only: dropout is refused when the downstream is torchair. It is refused too when the ops are
+  layouts only: dropout is refused when the downstream is torchair. The GE op FlashAttentionScore takes
+  fp16/bf16 q/k/v only, so fp32 attention is refused for torchair too (the aclnn kernel that eager
+  torch_npu and the other downstreams call takes fp32, so they still fuse it). Every limit of the op
+  lives in :func:`~qwen_npu_compile.npu_ops.fusion_attention.fusion_attention_violation`. It is refused too when the ops are
   the simulated stand-ins, whose dropout mask is a fixed function of (shape, seed=0, offset=0): every
   layer and every step would drop the same positions, silently making training dropout deterministic
   (the real kernel draws a fresh Philox seed per call). Only real ops with a non-GE downstream fuse it.
@@ -109,17 +112,12 @@ import sys
 import torch
 import torch.fx
 from torch._inductor import pattern_matcher as pm
-from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from qwen_npu_compile.canonicalize import trace_pattern
+from qwen_npu_compile.compat import guard_or_false
 from qwen_npu_compile.fusion import CompileTarget, FusionFamily, PatternVariant, current_target, meta_val, node_source
-from qwen_npu_compile.npu_ops.fusion_attention import (
-    GE_LAYOUTS,
-    MAX_HEAD_DIM,
-    MAX_QUERY_HEADS,
-    SUPPORTED_DTYPES,
-    compressed_causal_mask,
-)
+from qwen_npu_compile.npu_ops.fusion_attention import GE_LAYOUTS, compressed_causal_mask, fusion_attention_violation
 
 aten = torch.ops.aten
 F = torch.nn.functional
@@ -291,54 +289,33 @@ def check_attention(
         return "query, key or value is not a tensor"
     if any(t.dim() != 4 for t in tensors.values()):
         return f"q/k/v must be 4-D [B, N, S, D], got {[_shape(t) for t in tensors.values()]}"
-    if not (query.dtype == key.dtype == value.dtype):
-        return f"dtype mismatch: query {query.dtype}, key {key.dtype}, value {value.dtype}; the kernel takes one dtype"
-    if query.dtype not in SUPPORTED_DTYPES:
-        return f"unsupported dtype {query.dtype}; npu_fusion_attention takes fp16, bf16, fp32"
     if any(statically_known_true(t.numel() == 0) for t in tensors.values()):
         return "empty query, key or value"
-    batch, heads, q_len, head_dim = query.shape
-    kv_batch, kv_heads, kv_len, key_dim = key.shape
-    if not (_equal(kv_batch, batch) and _equal(value.shape[0], batch)):
-        return f"batch sizes differ: query {_shape(query)}, key {_shape(key)}, value {_shape(value)}"
-    if value.shape[1] != kv_heads or not _equal(value.shape[2], kv_len):
-        return f"key {_shape(key)} and value {_shape(value)} differ in heads or length"
-    if key_dim != head_dim:
-        return f"query head dim {head_dim} != key head dim {key_dim}"
-    if head_dim > MAX_HEAD_DIM or value.shape[-1] > head_dim:
-        return f"head dims D={head_dim}, Dv={value.shape[-1]}: npu_fusion_attention needs Dv <= D <= {MAX_HEAD_DIM}"
-    if heads > MAX_QUERY_HEADS:
-        return f"Nq={heads} query heads > {MAX_QUERY_HEADS}"
-    if kv_heads < 1 or heads % kv_heads != 0:
-        return f"Nq={heads} is not a multiple of Nkv={kv_heads}; npu_fusion_attention's GQA needs Nq % Nkv == 0"
     if attn_mask is not None:
-        reason = _mask_reason(attn_mask, batch, heads, q_len, kv_len)
-        if reason is not None:
-            return reason
+        if not isinstance(attn_mask, torch.Tensor):
+            return "attention mask is not a tensor"
+        if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
+            return f"attention mask dtype {attn_mask.dtype}: expected SDPA's bool mask or an additive float mask"
+    keep_prob = _keep_prob(dropout_p)
+    # The op's own limits (kernel + torchair GE converter), with the layout the rewrite may pick: BSH and
+    # BNSD are both GE layouts, so the layout never decides a refusal here.
+    reason = fusion_attention_violation(
+        _shape(query), _shape(key), _shape(value), (query.dtype, key.dtype, value.dtype),
+        input_layout=_LAYOUT_BNSD,
+        mask_shape=_shape(attn_mask) if attn_mask is not None else None,
+        keep_prob=keep_prob if keep_prob is not None else 1.0,
+        downstream=target.downstream if target is not None else None,
+    )
+    if reason is not None:
+        return reason
     return _dropout_reason(dropout_p, target)
 
 
-def _mask_reason(mask, batch, heads, q_len, kv_len) -> str | None:
-    if not isinstance(mask, torch.Tensor):
-        return "attention mask is not a tensor"
-    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
-        return f"attention mask dtype {mask.dtype}: expected SDPA's bool mask or an additive float mask"
-    shape = _shape(mask)
-    if len(shape) == 2:
-        lead_ok = True
-    elif len(shape) == 4:
-        # BNSS, B1SS, 11SS (a 1NSS mask is not in the list)
-        lead_ok = (_equal(shape[0], 1) or _equal(shape[0], batch)) and (
-            _equal(shape[1], 1) or (_equal(shape[1], heads) and _equal(shape[0], batch))
-        )
-    else:
-        lead_ok = False
-    if not (lead_ok and _equal(shape[-2], q_len) and _equal(shape[-1], kv_len)):
-        return (
-            f"attention mask shape {shape} is none of BNSS/B1SS/11SS/SS for B={batch}, N={heads}, "
-            f"Sq={q_len}, Skv={kv_len} (npu_fusion_attention does not broadcast masks)"
-        )
-    return None
+def _keep_prob(dropout_p) -> float | None:
+    """``1 - dropout_p`` for a constant probability in [0, 1), else None (refused by :func:`_dropout_reason`)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
+        return None
+    return 1.0 - dropout_p
 
 
 def _dropout_reason(dropout_p, target: CompileTarget | None) -> str | None:
@@ -351,11 +328,6 @@ def _dropout_reason(dropout_p, target: CompileTarget | None) -> str | None:
     keep = f"dropout_p={dropout_p} (keep_prob {1 - dropout_p:g})"
     if target is None:
         return f"{keep} and no known downstream backend: torchair's GE converter takes keep_prob == 1 only"
-    if target.downstream == "torchair":
-        return (
-            f"{keep}: torchair's GE converter of npu_fusion_attention takes keep_prob == 1 only "
-            "(NotImplementedError in GE mode); train without attention dropout or use another downstream"
-        )
     if target.simulated:
         return (
             f"{keep}: the simulated npu_fusion_attention draws its dropout mask from fixed seed/offset (0, 0), "

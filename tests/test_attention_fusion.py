@@ -363,7 +363,21 @@ def test_check_attention_dropout_depends_on_the_target():
     assert "deterministic" in check_attention(q, k, v, dropout_p=0.1, target=CompileTarget("aot_eager", True))
     assert "no known downstream" in check_attention(q, k, v, dropout_p=0.1, target=None)
     assert check_attention(q, k, v, dropout_p=0.1, target=CompileTarget("aot_eager", False)) is None
-    assert check_attention(q, k, v, dropout_p=0.0, target=CompileTarget("torchair", False)) is None
+    half = _meta(1, 4, 8, 64, dtype=torch.bfloat16)
+    assert check_attention(half, half, half, dropout_p=0.0, target=CompileTarget("torchair", False)) is None
+
+
+@pytest.mark.parametrize("downstream,simulated", [("torchair", False), ("torchair", True)])
+def test_check_attention_refuses_fp32_for_torchair(downstream, simulated):
+    """torchair's GE op FlashAttentionScore takes fp16/bf16 q/k/v only (torch_npu 2.13.0 REG_OP); the aclnn
+    kernel behind eager torch_npu (and so aot_eager/inductor on an NPU) takes fp32."""
+    q = k = v = _meta(1, 4, 8, 64)
+    reason = check_attention(q, k, v, target=CompileTarget(downstream, simulated))
+    assert "FlashAttentionScore" in reason and "fp16/bf16" in reason, reason
+    assert check_attention(q, k, v, target=CompileTarget("aot_eager", simulated)) is None
+    for dtype in (torch.float16, torch.bfloat16):
+        half = _meta(1, 4, 8, 64, dtype=dtype)
+        assert check_attention(half, half, half, target=CompileTarget(downstream, simulated)) is None
 
 
 def test_every_variant_is_registered_once(npu_ops):

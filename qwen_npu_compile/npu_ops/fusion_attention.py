@@ -36,7 +36,8 @@ computed here in fp32 and rounded once to q's dtype.
 - The grad op recomputes the probabilities from q, k, v (it ignores softmax_max / softmax_sum /
   softmax_in / attention_in) and returns ``(dq, dk, dv, dpse, dsink)``: dq/dk/dv in the input layouts
   and shapes (dk/dv summed over each KV group) in q's dtype; ``dpse`` is an empty ``[0]`` tensor and
-  ``dsink`` a 0-dim fp32 zero, as in torch_npu's Meta kernel. Gradients w.r.t. ``pse`` are therefore
+  ``dsink`` an empty ``[0]`` fp32 tensor, as torch_npu 2.13.0's Meta kernel gives without a ``sink`` (2.9.0's
+  gives a 0-dim one). Gradients w.r.t. ``pse`` are therefore
   not produced: autograd raises if pse requires grad.
 - Not simulated (RuntimeError): ``padding_mask`` (unsupported by the real op too), ``prefix``,
   ``actual_seq_qlen``/``actual_seq_kvlen`` (TND only), ``sink``, ``dropout_mask``, a non-empty
@@ -49,6 +50,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from ..compat import guard_or_false
 
 FUSION_ATTENTION_SCHEMA = (
     "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, "
@@ -95,6 +97,133 @@ SOFTMAX_STAT_WIDTH = 8
 _SOFTMAX_STAT_DTYPE = torch.float32
 
 
+#: q/k/v dtypes torchair's GE op FlashAttentionScore(Grad) takes (its REG_OP, torchair
+#: ``_ge_concrete_graph/auto_generated_ge_raw_ops.py``): fp32 is refused there, though the aclnn kernel
+#: behind eager ``torch_npu.npu_fusion_attention`` takes it.
+GE_DTYPES = frozenset({torch.float16, torch.bfloat16})
+#: Where the GE limits come from (named in every refusal they cause).
+GE_CONVERTER = (
+    "torchair GE converter of npu_fusion_attention (torch_npu 2.13.0/2.9.0 "
+    "ge_converter/custom/npu_fusion_attention.py, FlashAttentionScore)"
+)
+
+
+def _holds(condition) -> bool:
+    """A size condition, symbolic sizes included: decided on this graph's sizes, with a guard."""
+    return guard_or_false(condition)
+
+
+def fusion_attention_violation(
+    query_bnsd: tuple,
+    key_bnsd: tuple,
+    value_bnsd: tuple,
+    dtypes: tuple,
+    *,
+    input_layout: str,
+    head_num: int | None = None,
+    mask_shape: tuple | None = None,
+    sparse_mode: int = 0,
+    keep_prob: float = 1.0,
+    downstream: str | None = None,
+) -> str | None:
+    """Why ``npu_fusion_attention`` (and its grad) would refuse these arguments, or None: the one home of
+    this op's limits, used by the stand-in's validation, ``patterns/attention.py`` and the GE conversion
+    check.
+
+    Kernel limits (torch_npu 2.13.0 ``_op_plugin_docs.py``, the op-plugin page
+    ``torch_npu-npu_fusion_attention.md``; ``npu-op-contracts.md``): one q/k/v dtype in fp16/bf16/fp32;
+    one batch; k and v of one head count and length; Dq == Dk, 1 <= Dv <= Dk <= :data:`MAX_HEAD_DIM`;
+    ``head_num`` == Nq <= :data:`MAX_QUERY_HEADS`, Nq % Nkv == 0 (native GQA); ``atten_mask`` BNSS / B1SS /
+    11SS / SS (or the compressed 2048x2048 mask for sparse modes 2/3); keep_prob in (0, 1].
+
+    With ``downstream="torchair"`` also the GE converter's (:data:`GE_CONVERTER`): layout BSH or BNSD only
+    and keep_prob == 1 only (else NotImplementedError), and the GE op's q/k/v dtypes :data:`GE_DTYPES`.
+
+    Args:
+        query_bnsd: q's ``(B, Nq, Sq, D)`` (sizes may be symbolic), whatever the layout.
+        key_bnsd: k's ``(B, Nkv, Skv, Dk)``.
+        value_bnsd: v's ``(B, Nkv, Skv, Dv)``.
+        dtypes: ``(q.dtype, k.dtype, v.dtype)``.
+        input_layout: the layout passed to the op.
+        head_num: the op's ``head_num`` argument, None when it is Nq by construction.
+        mask_shape: ``atten_mask``'s shape, None without a mask.
+        sparse_mode: the op's ``sparse_mode``.
+        keep_prob: the op's ``keep_prob``.
+        downstream: the backend the graph is handed to; ``"torchair"`` adds the GE limits.
+
+    Returns:
+        None when supported, else a one-line reason.
+    """
+    dtype = dtypes[0]
+    if not all(d == dtype for d in dtypes):
+        return f"dtype mismatch: query/key/value dtypes differ ({', '.join(map(str, dtypes))}); the kernel takes one dtype"
+    if dtype not in SUPPORTED_DTYPES:
+        return f"unsupported dtype {dtype}; npu_fusion_attention takes fp16, bf16, fp32"
+    batch, q_heads, q_len, head_dim = query_bnsd
+    kv_batch, kv_heads, kv_len, key_dim = key_bnsd
+    v_batch, v_heads, v_len, value_dim = value_bnsd
+    if not (_holds(kv_batch == batch) and _holds(v_batch == batch)):
+        return f"batch sizes differ: query {batch}, key {kv_batch}, value {v_batch}"
+    if not (_holds(v_heads == kv_heads) and _holds(v_len == kv_len)):
+        return f"key (N={kv_heads}, S={kv_len}) and value (N={v_heads}, S={v_len}) differ in heads or length"
+    if not _holds(key_dim == head_dim):
+        return f"query head dim {head_dim} != key head dim {key_dim}"
+    if not (_holds(1 <= value_dim) and _holds(value_dim <= head_dim) and _holds(head_dim <= MAX_HEAD_DIM)):
+        return f"head dims D={head_dim}, Dv={value_dim}: npu_fusion_attention needs 1 <= Dv <= D <= {MAX_HEAD_DIM}"
+    if head_num is not None and not _holds(q_heads == head_num):
+        return f"head_num={head_num} != query's head count {q_heads} ({input_layout})"
+    if not _holds(q_heads <= MAX_QUERY_HEADS):
+        return f"Nq={q_heads} query heads > {MAX_QUERY_HEADS}"
+    if not (_holds(kv_heads >= 1) and _holds(q_heads % kv_heads == 0)):
+        return f"Nq={q_heads} is not a multiple of Nkv={kv_heads}; npu_fusion_attention's GQA needs Nq % Nkv == 0"
+    if mask_shape is not None:
+        reason = _mask_shape_violation(tuple(mask_shape), sparse_mode, batch, q_heads, q_len, kv_len)
+        if reason is not None:
+            return reason
+    if not 0.0 < keep_prob <= 1.0:
+        return f"keep_prob={keep_prob} must lie in (0, 1]"
+    if downstream == "torchair":
+        if input_layout not in GE_LAYOUTS:
+            return f"input_layout {input_layout!r}: the {GE_CONVERTER} takes {'/'.join(GE_LAYOUTS)} only"
+        if keep_prob != 1.0:
+            return (
+                f"keep_prob {keep_prob:g}: the {GE_CONVERTER} takes keep_prob == 1 only (NotImplementedError in GE "
+                "mode); train without attention dropout or use another downstream"
+            )
+        if dtype not in GE_DTYPES:
+            return (
+                f"dtype {dtype}: the {GE_CONVERTER} emits the GE op FlashAttentionScore, whose q/k/v are fp16/bf16 "
+                "only (the eager aclnn kernel takes fp32, GE does not); compute attention in bf16/fp16"
+            )
+    return None
+
+
+def _mask_shape_violation(shape: tuple, sparse_mode: int, batch, heads, q_len, kv_len) -> str | None:
+    if sparse_mode in COMPRESSED_MASK_MODES:
+        n = COMPRESSED_MASK_SIZE
+        if shape != (n, n):
+            return (
+                f"sparse_mode={sparse_mode} takes the compressed {n}x{n} causal mask "
+                f"(torch.triu(torch.ones({n}, {n}), diagonal=1).bool()), got shape {shape}"
+            )
+        return None
+    if len(shape) == 2:
+        lead_ok = True
+    elif len(shape) == 4:
+        # BNSS, B1SS, 11SS (a 1NSS mask is not in the list)
+        lead_ok = (_holds(shape[0] == 1) or _holds(shape[0] == batch)) and (
+            _holds(shape[1] == 1) or (_holds(shape[1] == heads) and _holds(shape[0] == batch))
+        )
+    else:
+        lead_ok = False
+    if not (lead_ok and _holds(shape[-2] == q_len) and _holds(shape[-1] == kv_len)):
+        return (
+            f"attention mask shape {shape} is none of BNSS/B1SS/11SS/SS for B={batch}, N={heads}, "
+            f"Sq={q_len}, Skv={kv_len} (npu_fusion_attention does not broadcast masks)"
+        )
+    return None
+
+
 def compressed_causal_mask(device: torch.device | str | None = None) -> torch.Tensor:
     """The compressed causal mask sparse modes 2/3 take: ``torch.triu(ones(2048, 2048), diagonal=1).bool()``.
 
@@ -122,10 +251,6 @@ def _dims(query, key, value, head_num: int, input_layout: str, op: str):
         )
     if input_layout not in SUPPORTED_LAYOUTS:
         raise RuntimeError(f"{op}: unknown input_layout {input_layout!r} (expected one of {SUPPORTED_LAYOUTS})")
-    if not (query.dtype == key.dtype == value.dtype):
-        raise RuntimeError(f"{op}: query/key/value dtypes differ ({query.dtype}, {key.dtype}, {value.dtype})")
-    if query.dtype not in SUPPORTED_DTYPES:
-        raise RuntimeError(f"{op}: unsupported dtype {query.dtype} (fp16/bf16/fp32 only)")
     rank = 4 if input_layout in ("BNSD", "BSND") else 3
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() != rank:
@@ -153,18 +278,12 @@ def _dims(query, key, value, head_num: int, input_layout: str, op: str):
         if hv % nkv != 0:
             raise RuntimeError(f"{op}: value hidden size {hv} is not a multiple of the KV head count {nkv}")
         nv, dv = nkv, hv // nkv
-    if not (b == bk == bv):
-        raise RuntimeError(f"{op}: batch sizes differ (query {b}, key {bk}, value {bv})")
-    if skv != sv or nkv != nv:
-        raise RuntimeError(f"{op}: key {tuple(key.shape)} and value {tuple(value.shape)} disagree on S or N")
-    if d != dk:
-        raise RuntimeError(f"{op}: query head dim {d} != key head dim {dk}")
-    if not (1 <= d <= MAX_HEAD_DIM) or dv > d:
-        raise RuntimeError(f"{op}: head dims must satisfy 1 <= Dv <= Dq == Dk <= {MAX_HEAD_DIM}, got D={d}, Dv={dv}")
-    if nq > MAX_QUERY_HEADS:
-        raise RuntimeError(f"{op}: Nq={nq} > {MAX_QUERY_HEADS}")
-    if nkv < 1 or nq % nkv != 0:
-        raise RuntimeError(f"{op}: Nq={nq} must be a positive multiple of Nkv={nkv} (GQA)")
+    reason = fusion_attention_violation(
+        (b, nq, sq, d), (bk, nkv, skv, dk), (bv, nv, sv, dv), (query.dtype, key.dtype, value.dtype),
+        input_layout=input_layout,
+    )
+    if reason is not None:
+        raise RuntimeError(f"{op}: {reason}")
     return b, nq, nkv, sq, skv, d, dv
 
 
@@ -217,18 +336,9 @@ def _check_options(
     if atten_mask is not None:
         if atten_mask.dtype not in (torch.bool, torch.uint8):
             raise RuntimeError(f"{op}: atten_mask must be bool or uint8 (True = masked out), got {atten_mask.dtype}")
-        shape = tuple(atten_mask.shape)
-        if sparse_mode in COMPRESSED_MASK_MODES:
-            n = COMPRESSED_MASK_SIZE
-            if shape != (n, n):
-                raise RuntimeError(
-                    f"{op}: sparse_mode={sparse_mode} takes the compressed {n}x{n} causal mask "
-                    f"(torch.triu(torch.ones({n}, {n}), diagonal=1).bool()), got shape {shape}"
-                )
-        elif shape not in ((sq, skv), (1, 1, sq, skv), (b, 1, sq, skv), (b, nq, sq, skv)):
-            raise RuntimeError(
-                f"{op}: atten_mask shape {shape} is none of BNSS/B1SS/11SS/SS for B={b}, N={nq}, Sq={sq}, Skv={skv}"
-            )
+        reason = _mask_shape_violation(tuple(atten_mask.shape), sparse_mode, b, nq, sq, skv)
+        if reason is not None:
+            raise RuntimeError(f"{op}: {reason}")
 
 
 def _to_bnsd(t: torch.Tensor, layout: str, n: int) -> torch.Tensor:
@@ -475,7 +585,7 @@ def reference_fusion_attention_grad(
     Returns:
         ``(dq, dk, dv, dpse, dsink)``: dq/dk/dv shaped like query/key/value (dk/dv summed over each group of
         Nq/Nkv query heads), in q's dtype, computed in fp32; dpse an empty ``[0]`` tensor of q's dtype;
-        dsink a 0-dim fp32 zero.
+        dsink an empty ``[0]`` fp32 tensor (torch_npu 2.13.0's Meta kernel without ``sink``).
 
     Raises:
         RuntimeError: whatever the forward would raise for these arguments, or a dy of the wrong shape.
@@ -522,7 +632,7 @@ def reference_fusion_attention_grad(
         _from_bnsd(dk_full.to(dtype), input_layout),
         _from_bnsd(dv_full.to(dtype), input_layout),
         query.new_empty([0]),
-        query.new_zeros([], dtype=torch.float32),
+        query.new_zeros([0], dtype=torch.float32),
     )
 
 
@@ -572,7 +682,7 @@ def _fake_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *
         query.new_empty(key.shape),
         query.new_empty(value.shape),
         query.new_empty([0]),
-        query.new_empty([], dtype=torch.float32),
+        query.new_empty([0], dtype=torch.float32),
     )
 
 

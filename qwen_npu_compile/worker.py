@@ -405,6 +405,22 @@ def _checkpointing(layer: nn.Module) -> bool:
     )
 
 
+def _checkpoints_around_call(layer: nn.Module) -> bool:
+    """Whether the layer's class checkpoints its whole ``__call__`` (hooks included), not its ``forward``.
+
+    transformers 4.5x-5.1x (``GradientCheckpointingLayer.__call__``, transformers/modeling_layers.py in
+    4.57.6 and 5.10.4) checkpoints ``partial(super().__call__, **kwargs)``: the layer's compiled call
+    then runs *inside* the checkpoint (and again when it recomputes). Later releases checkpoint
+    ``partial(forward, self, **kwargs)`` from inside ``forward`` instead.
+    """
+    return type(layer).__call__ is not nn.Module.__call__
+
+
+def _in_backward() -> bool:
+    # a checkpoint's recomputation runs during backward (torch/utils/checkpoint.py asks the same)
+    return torch._C._current_graph_task_id() != -1
+
+
 class _CompiledLayerCall:
     """A layer's ``_compiled_call_impl``: routes each call and attributes its graphs to the layer."""
 
@@ -439,7 +455,12 @@ class _CompiledLayerCall:
                         "would make Dynamo recompile for every layer); pass use_cache=False for training"
                     )
                 return layer._call_impl(*args, **kwargs)
-            if _checkpointing(layer):
+            if _checkpointing(layer) and _checkpoints_around_call(layer):
+                # already inside the checkpoint (older transformers): its function is this compiled call
+                if not _in_backward():
+                    calls["checkpointed"] += 1
+                out = self.compiled(*args, **kwargs)
+            elif _checkpointing(layer):
                 calls["checkpointed"] += 1
                 if not isinstance(layer._gradient_checkpointing_func, _CompilingCheckpoint):
                     layer._gradient_checkpointing_func = _CompilingCheckpoint(

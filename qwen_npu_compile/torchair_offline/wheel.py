@@ -147,13 +147,15 @@ def _no_wheel_message(torch_version: str, specifiers: list[SpecifierSet], cache:
     )
 
 
-def _pip_download(requirement: str, dest: Path) -> tuple[Path | None, str]:
-    """``pip download --no-deps`` one requirement into ``dest``; returns (wheel, "") or (None, why)."""
+def _pip_download(requirement: str, dest: Path, environ: Mapping[str, str]) -> tuple[Path | None, str]:
+    """``pip download --no-deps`` one requirement into ``dest`` (pip configured by ``environ``, e.g.
+    ``PIP_INDEX_URL``); returns ``(wheel, "")`` or ``(None, why)``."""
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", "--dest", str(dest), requirement]
     log.info("qwen_npu: %s", " ".join(command))
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S, check=False)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S, check=False,
+                              env=dict(environ), stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         return None, f"`pip download {requirement}` took longer than {DOWNLOAD_TIMEOUT_S}s"
     except OSError as exc:
@@ -208,7 +210,7 @@ def obtain_wheel(torch_version: str, environ: Mapping[str, str] | None = None) -
     wheels.mkdir(parents=True, exist_ok=True)
     for spec in specifiers:
         with tempfile.TemporaryDirectory(dir=wheels, prefix=".download-") as tmp:
-            downloaded, why = _pip_download(f"torch-npu{spec}", Path(tmp))
+            downloaded, why = _pip_download(f"torch-npu{spec}", Path(tmp), environ)
             if downloaded is None:
                 whys.append(why)
                 continue

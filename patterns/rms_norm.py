@@ -34,9 +34,10 @@ which rounds before the weight multiply). The anchor is ``aten.rsqrt``.
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from qwen_npu_compile.fusion import FusionFamily, PatternVariant, meta_val
-from qwen_npu_compile.npu_ops.rms_norm import SUPPORTED_DTYPES
+from qwen_npu_compile.npu_ops.rms_norm import rms_norm_violation
 
 aten = torch.ops.aten
 
@@ -59,20 +60,21 @@ def _replace(x, weight, eps):
 def check_rms_norm(x, weight) -> str | None:
     """Refusal reason for fusing RMSNorm of ``x`` (FakeTensor) with ``weight``, or None to fuse.
 
+    The op's limits are :func:`~qwen_npu_compile.npu_ops.rms_norm.rms_norm_violation`'s; this adds a
+    1-D weight (HF's) and a non-empty input.
+
     Args:
         x: ``[..., H]`` activation (fp16/bf16/fp32).
         weight: ``[H]`` gamma.
     """
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         return "input or weight is not a tensor"
-    if (x.dtype, weight.dtype) not in SUPPORTED_DTYPES:
-        return (
-            f"unsupported dtype pair (x={x.dtype}, weight={weight.dtype}); npu_rms_norm takes "
-            "(fp16|bf16, fp32), (fp16, fp16), (bf16, bf16), (fp32, fp32)"
-        )
-    if weight.dim() != 1 or x.dim() < 1 or weight.shape[0] != x.shape[-1]:
+    if weight.dim() != 1 or x.dim() < 1:
         return f"weight shape {tuple(weight.shape)} is not the last dim of x {tuple(x.shape)}"
-    if x.numel() == 0:
+    reason = rms_norm_violation(x, weight)
+    if reason is not None:
+        return reason
+    if statically_known_true(x.numel() == 0):
         return "empty input"
     return None
 

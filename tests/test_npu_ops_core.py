@@ -54,7 +54,7 @@ def test_rms_norm_backward_matches_autograd(npu_ops, dtype):
 
 
 def test_rms_norm_rejects_unsupported_dtype_pair(npu_ops):
-    with pytest.raises(RuntimeError, match="unsupported dtypes"):
+    with pytest.raises(RuntimeError, match="unsupported dtype pair"):
         npu.npu_rms_norm.default(torch.randn(2, 8, dtype=torch.float16), torch.randn(8, dtype=torch.bfloat16))
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..compat import guard_or_false
+
 RMS_NORM_SCHEMA = "npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)"
 RMS_NORM_BACKWARD_SCHEMA = (
     "npu_rms_norm_backward(Tensor dy, Tensor self, Tensor gamma, Tensor rstd) -> (Tensor, Tensor)"
@@ -35,11 +37,41 @@ def _rstd_shape(x: torch.Tensor, gamma: torch.Tensor) -> list:
     return [*x.shape[: x.dim() - gamma.dim()], *([1] * gamma.dim())]
 
 
-def _check(x: torch.Tensor, gamma: torch.Tensor) -> None:
+def rms_norm_violation(x, gamma, *, downstream: str | None = None) -> str | None:
+    """Why ``npu_rms_norm(x, gamma)`` (and its backward) would fail, or None: the one home of this op's
+    limits, used by the stand-in's validation, ``patterns/rms_norm.py`` and the GE conversion check.
+
+    Kernel limits (torch_npu 2.13.0 ``_op_plugin_docs.py`` ``npu_rms_norm``): an (x, gamma) dtype pair in
+    :data:`SUPPORTED_DTYPES`; gamma of x's trailing shape. torchair's converters
+    (``ge_converter/custom/npu_rms_norm.py`` -> RmsNorm, ``npu_rms_norm_backward.py`` -> RmsNormGrad,
+    torch_npu 2.13.0 and 2.9.0) pass their arguments through unchecked, so ``downstream`` adds nothing.
+
+    Args:
+        x: ``[..., *gamma.shape]`` (tensor or FakeTensor; sizes may be symbolic).
+        gamma: the weight.
+        downstream: the backend the graph is handed to (no extra limits today).
+
+    Returns:
+        None when supported, else a one-line reason.
+    """
+    del downstream  # the GE converters add no limits (see above)
     if (x.dtype, gamma.dtype) not in SUPPORTED_DTYPES:
-        raise RuntimeError(f"npu_rms_norm: unsupported dtypes (x={x.dtype}, gamma={gamma.dtype})")
-    if tuple(x.shape[x.dim() - gamma.dim() :]) != tuple(gamma.shape):
-        raise RuntimeError(f"npu_rms_norm: gamma shape {tuple(gamma.shape)} != trailing x shape {tuple(x.shape)}")
+        return (
+            f"unsupported dtype pair (x={x.dtype}, gamma={gamma.dtype}); npu_rms_norm takes "
+            "(fp16|bf16, fp32), (fp16, fp16), (bf16, bf16), (fp32, fp32)"
+        )
+    trailing = tuple(x.shape[x.dim() - gamma.dim() :]) if gamma.dim() <= x.dim() else None
+    if trailing is None or len(trailing) != gamma.dim() or not all(
+        guard_or_false(a == b) for a, b in zip(trailing, gamma.shape)
+    ):
+        return f"gamma shape {tuple(gamma.shape)} != trailing x shape {tuple(x.shape)}"
+    return None
+
+
+def _check(x: torch.Tensor, gamma: torch.Tensor) -> None:
+    reason = rms_norm_violation(x, gamma)
+    if reason is not None:
+        raise RuntimeError(f"npu_rms_norm: {reason}")
 
 
 def reference_rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6):

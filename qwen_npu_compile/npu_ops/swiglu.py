@@ -10,15 +10,47 @@ from __future__ import annotations
 
 import torch
 
+from ..compat import guard_or_false
+
 SWIGLU_SCHEMA = "npu_swiglu(Tensor self, int dim=-1) -> Tensor"
 SWIGLU_BACKWARD_SCHEMA = "npu_swiglu_backward(Tensor grad_output, Tensor self, int dim=-1) -> Tensor"
 
 
-def _check(x: torch.Tensor, dim: int) -> None:
-    if x.shape[dim] % 2 != 0:
-        raise RuntimeError(f"npu_swiglu: size {x.shape[dim]} along dim {dim} must be even")
+#: Input dtypes the kernel takes (torch_npu 2.13.0 docs; GE SwiGlu's "T").
+SUPPORTED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
+
+
+def swiglu_violation(x, dim: int = -1, *, downstream: str | None = None) -> str | None:
+    """Why ``npu_swiglu(x, dim)`` (and its backward) would fail, or None: the one home of this op's limits,
+    used by the stand-in's validation, ``patterns/swiglu.py`` and the GE conversion check.
+
+    Kernel limits (torch_npu 2.13.0 ``_op_plugin_docs.py`` ``npu_swiglu``): fp16/bf16/fp32; an even size
+    along ``dim``; contiguous input. torchair's converters (``ge_converter/custom/npu_swiglu.py`` ->
+    SwiGlu, ``npu_swiglu_backward.py`` -> SwiGluGrad, torch_npu 2.13.0 and 2.9.0) pass their arguments
+    through unchecked, so ``downstream`` adds nothing.
+
+    Args:
+        x: the op's input (tensor or FakeTensor; sizes may be symbolic).
+        dim: the split dimension.
+        downstream: the backend the graph is handed to (no extra limits today).
+
+    Returns:
+        None when supported, else a one-line reason.
+    """
+    del downstream  # the GE converters add no limits (see above)
+    if x.dtype not in SUPPORTED_DTYPES:
+        return f"unsupported dtype {x.dtype}; npu_swiglu takes fp16, bf16, fp32"
+    if not guard_or_false(x.shape[dim] % 2 == 0):
+        return f"size {x.shape[dim]} along dim {dim} must be even"
     if not x.is_contiguous():
-        raise RuntimeError("npu_swiglu: non-contiguous input is not supported (torch_npu 2.13.0 docs)")
+        return "non-contiguous input is not supported (torch_npu 2.13.0 docs)"
+    return None
+
+
+def _check(x: torch.Tensor, dim: int) -> None:
+    reason = swiglu_violation(x, dim)
+    if reason is not None:
+        raise RuntimeError(f"npu_swiglu: {reason}")
 
 
 def reference_swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -5,8 +5,12 @@ transformers ``>=5.5.3,<5.11`` with torch 2.10/2.11, verl's Ascend Docker images
 v0.18 run transformers 4.57.x with torch 2.7.1-2.9.0. Each stack gets its own virtual environment
 (torch from the package registry: the CUDA builds run on a CPU), the project installed into it with
 ``--no-deps``, and ``pytest -m stack_compat`` (``tests/test_stack_compat.py``: exact fusion counts and
-parity, whole-model and per-layer, sdpa and eager, train and infer, padding). pip's cache keeps the
-downloaded wheels for the next run; each environment is deleted after its run unless ``--keep``.
+parity, whole-model and per-layer, sdpa and eager, train and infer, padding). The wheels are
+downloaded once into a wheelhouse (``$QWEN_NPU_WHEELHOUSE``, default
+``~/.cache/qwen_npu_compile/wheelhouse``; ``pip download`` skips files already there) and installed
+from it: pip's own HTTP cache does not keep them on these machines (the registry's responses are not
+cacheable), so this is what lets stacks share transformers and the CUDA libraries, and later runs
+skip the downloads. Each environment is deleted after its run unless ``--keep``.
 
 Subcommands::
 
@@ -70,8 +74,18 @@ def log(text: str) -> None:
     print(f"[stack_matrix {time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
+DEFAULT_WHEELHOUSE = Path(os.environ.get("QWEN_NPU_WHEELHOUSE", Path.home() / ".cache" / "qwen_npu_compile" / "wheelhouse"))
+
+
 def _pip(python: Path, *args: str) -> None:
-    subprocess.run([str(python), "-m", "pip", "install", "-q", *args], check=True)
+    subprocess.run([str(python), "-m", "pip", *args], check=True)
+
+
+def _install_from_wheelhouse(python: Path, wheelhouse: Path, requirements: list[str]) -> None:
+    """Download ``requirements`` (with dependencies) into ``wheelhouse``, then install them from it only."""
+    wheelhouse.mkdir(parents=True, exist_ok=True)
+    _pip(python, "download", "-q", "-d", str(wheelhouse), *requirements)
+    _pip(python, "install", "-q", "--no-index", "--find-links", str(wheelhouse), *requirements)
 
 
 def _versions(python: Path) -> dict[str, str]:
@@ -103,7 +117,7 @@ def _cases(junit: Path) -> list[dict]:
     return cases
 
 
-def run_stack(stack: Stack, python: Path | None, keep: bool) -> dict:
+def run_stack(stack: Stack, python: Path | None, keep: bool, wheelhouse: Path = DEFAULT_WHEELHOUSE) -> dict:
     """Create the stack's environment (unless ``python`` is given), run the suite, return its record."""
     record = {"name": stack.name, "torch": stack.torch, "transformers": stack.transformers, "who": stack.who,
               "measured": date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs"}
@@ -114,8 +128,8 @@ def run_stack(stack: Stack, python: Path | None, keep: bool) -> dict:
             log(f"{stack.name}: creating a venv with torch=={stack.torch} transformers=={stack.transformers}")
             subprocess.run([sys.executable, "-m", "venv", str(workdir / "venv")], check=True)
             python = workdir / "venv" / "bin" / "python"
-            _pip(python, f"torch=={stack.torch}", f"transformers=={stack.transformers}", PYTEST_PIN)
-            _pip(python, "--no-deps", "-e", str(ROOT))
+            _install_from_wheelhouse(python, wheelhouse, [f"torch=={stack.torch}", f"transformers=={stack.transformers}", PYTEST_PIN])
+            _pip(python, "install", "-q", "--no-deps", "-e", str(ROOT))
         record["seconds_setup"] = round(time.perf_counter() - start, 1)
         installed = _versions(python)
         if not installed["torch"].startswith(stack.torch) or installed["transformers"] != stack.transformers:
@@ -222,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
     for index, name in enumerate(names, 1):
         log(f"stack {index}/{len(names)}: {name}")
         python = Path(pythons[name]) if name in pythons else None
-        previous[name] = run_stack(by_name[name], python, args.keep)
+        previous[name] = run_stack(by_name[name], python, args.keep, Path(args.wheelhouse))
         ordered = [previous[s.name] for s in STACKS if s.name in previous]
         results.parent.mkdir(parents=True, exist_ok=True)
         results.write_text(json.dumps({"stacks": ordered}, indent=2) + "\n")
@@ -242,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.add_argument("--python", action="append", default=[], metavar="NAME=PY",
                             help="use an existing interpreter for stack NAME instead of a new venv")
     run_parser.add_argument("--keep", action="store_true", help="keep the environments (default: deleted)")
+    run_parser.add_argument("--wheelhouse", default=str(DEFAULT_WHEELHOUSE),
+                            help="folder of downloaded wheels, reused across stacks and runs (default %(default)s)")
     table_parser = sub.add_parser("table", help="render the README support table from the results")
     table_parser.add_argument("--results", default=str(DEFAULT_RESULTS))
     mode = table_parser.add_mutually_exclusive_group()

@@ -1,0 +1,108 @@
+"""Hugging Face Trainer: QwenNpuCompileCallback, switched by QWEN_NPU_COMPILE, against the unmodified Trainer run.
+
+2-step Trainer runs of a tiny Qwen2 on the CPU (fp32, SDPA), with and without activation
+checkpointing. Needs accelerate (the Trainer does); skipped without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (pip install accelerate)")
+
+from transformers import Qwen2Config, Qwen2ForCausalLM, Trainer, TrainingArguments  # noqa: E402
+
+from qwen_npu_compile.hf_trainer import QwenNpuCompileCallback  # noqa: E402
+from qwen_npu_compile.worker import ENV_COMPILE, layer_reports  # noqa: E402
+
+PER_LAYER = {"rms_norm": 2, "swiglu": 1, "rotary": 2, "attention": 1}  # one Qwen2 decoder layer graph
+STEPS, BATCH, SEQ = 2, 4, 16
+#: transformers 5.2x renamed gradient_checkpointing (now a deprecated alias) to activation_checkpointing
+CHECKPOINTING = ("activation_checkpointing"
+                 if "activation_checkpointing" in {f.name for f in dataclasses.fields(TrainingArguments)}
+                 else "gradient_checkpointing")
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.rows = [torch.randint(0, 128, (SEQ,), generator=generator) for _ in range(STEPS * BATCH)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        return {"input_ids": self.rows[index], "labels": self.rows[index]}
+
+
+def tiny_qwen2() -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+    return Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa")
+
+
+def train(tmp_path, callbacks=(), checkpointing=False, **arguments):
+    """A 2-step Trainer run; returns (model, per-step losses)."""
+    model = tiny_qwen2()
+    settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=BATCH, max_steps=STEPS, learning_rate=1e-3,
+                    logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+                    dataloader_num_workers=0)
+    args = TrainingArguments(**{**settings, CHECKPOINTING: checkpointing, **arguments})
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=list(callbacks))
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return model, losses
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+def test_callback_compiles_each_layer_and_trains_like_the_plain_trainer(tmp_path, monkeypatch, checkpointing):
+    monkeypatch.delenv(ENV_COMPILE, raising=False)
+    reference, expected = train(tmp_path / "off", checkpointing=checkpointing)
+    monkeypatch.setenv(ENV_COMPILE, "1")
+    callback = QwenNpuCompileCallback()
+    model, losses = train(tmp_path / "on", [callback], checkpointing=checkpointing)
+
+    assert len(losses) == len(expected) == STEPS and len(set(expected)) == STEPS
+    assert losses == pytest.approx(expected, abs=1e-5)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-5, msg=name)  # same updates: same gradients
+    assert callback.compiled == ["model.layers.0", "model.layers.1"]
+    for name, record in layer_reports(model).items():
+        assert record.reports, f"{name} ran no qwen_npu graph"
+        for report in record.reports:
+            assert report.fusions == PER_LAYER, (name, report.fusions)
+        path = "checkpointed" if checkpointing else "compiled"
+        assert record.calls[path] == STEPS and record.calls["eager"] == 0, record.calls
+
+
+def test_callback_does_nothing_when_switched_off(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_COMPILE, "0")
+    callback = QwenNpuCompileCallback()
+    model, _ = train(tmp_path, [callback], max_steps=1)
+    assert callback.compiled == [] and layer_reports(model) == {}
+    assert all(layer._compiled_call_impl is None for layer in model.model.layers)
+
+
+def test_bad_options_fail_where_the_callback_is_made():
+    with pytest.raises(ValueError, match="unknown option"):
+        QwenNpuCompileCallback(options={"fusion": "all"})
+
+
+def test_callback_refuses_whole_model_compile_on_top(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_COMPILE, "1")
+    with pytest.raises(ValueError, match="Leave torch_compile, torch_compile_backend and torch_compile_mode unset"):
+        train(tmp_path, [QwenNpuCompileCallback()], torch_compile=True, torch_compile_backend="eager")
+
+
+def test_accelerate_rejects_qwen_npu_as_trainer_compile_backend(tmp_path):
+    """Why the callback exists: the Trainer's own torch_compile_backend goes through Accelerate's enum.
+
+    (When this starts failing, Accelerate accepts registered backends and docs/verl.md's Trainer
+    section should say so.)
+    """
+    with pytest.raises(ValueError, match="not a valid DynamoBackend"):
+        train(tmp_path, torch_compile=True, torch_compile_backend="qwen_npu")

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The verl and Hugging Face Trainer checks, in a fresh venv with verl 0.9.1 from the registry.
+#
+#   tools/verl_env_check.sh            # exit status: pytest's
+#
+# 1. makes a venv in a temporary folder (deleted on exit, also on failure);
+# 2. installs torch 2.13.0 (CPU), transformers 5.10.4 (inside verl 0.9.1's pin >=5.5.3,!=5.6.0,<5.11),
+#    verl 0.9.1 with all its dependencies (accelerate, ray, peft, tensordict, ... as verl declares them),
+#    pytest, and this project (--no-deps, editable: the qwen_npu backend is registered by entry point);
+# 3. runs tests/test_verl_hook.py (its `-m verl` part drives verl's own FSDP engine on the CPU) and
+#    tests/test_trainer.py (accelerate comes with verl);
+# 4. prints how long the install and the tests took.
+#
+# Environment: PYTHON (default python3.11, else python3), VERL_ENV_KEEP=1 keeps the venv and prints its path.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo=$PWD
+python=${PYTHON:-$(command -v python3.11 || command -v python3)}
+start=$(date +%s)
+tmp=$(mktemp -d -t verl_env_check.XXXXXX)
+cleanup() {
+    status=$?
+    if [[ "${VERL_ENV_KEEP:-0}" == 1 ]]; then echo "verl_env_check: venv kept at $tmp/venv"; else rm -rf "$tmp"; fi
+    echo "verl_env_check: total $(( $(date +%s) - start ))s"
+    exit $status
+}
+trap cleanup EXIT
+
+"$python" -m venv "$tmp/venv"
+pip=("$tmp/venv/bin/python" -m pip --disable-pip-version-check)
+"${pip[@]}" install -q torch==2.13.0 transformers==5.10.4 verl==0.9.1 pytest==9.0.3
+"${pip[@]}" install -q --no-deps -e "$repo"
+installed=$(date +%s)
+echo "verl_env_check: install took $(( installed - start ))s, venv $(du -sh "$tmp/venv" | cut -f1)"
+# preflight: what the tests would otherwise skip without (verl's engine module, accelerate) must import
+"$tmp/venv/bin/python" -W ignore -c '
+import accelerate, torch, transformers, verl
+import verl.workers.engine.fsdp.transformer_impl
+print(f"verl_env_check: verl {verl.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
+      f"accelerate {accelerate.__version__}")' 2>&1 | grep '^verl_env_check' || { echo "verl_env_check: preflight import failed"; exit 1; }
+
+set +e
+(cd "$repo" && "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_verl_hook.py tests/test_trainer.py)
+status=$?
+set -e
+echo "verl_env_check: tests took $(( $(date +%s) - installed ))s (pytest exit $status)"
+exit $status

@@ -1,0 +1,297 @@
+"""Fusing for torchair: every graph we emit must convert (torch_npu 2.13.0 torchair converters).
+
+In-process tests (no torchair needed) compile with ``downstream="torchair"`` as the fusion target and
+hand the rewritten graph to aot_eager instead, to check what the rewrite emits for torchair: the
+orthogonal rotary form (``qwen_npu.rotary_mul_orthogonal``, whose backward is the forward op with -sin)
+and its parity, the refusals that name a torchair converter limit, fp32 attention refused. The
+conversion tests run torchair's real FX→GE conversion off-NPU (``qwen_npu_compile.torchair_offline``)
+in a subprocess (importing torchair patches the process) and are skipped when no torch_npu wheel can
+be obtained.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers.models.qwen2.modeling_qwen2 import rotate_half
+
+from conftest import RTOL, rel_err, run_model, tiny_qwen2
+from qwen_npu_compile import get_reports
+from qwen_npu_compile import backend as qwen_backend
+from qwen_npu_compile import ge_converters
+from qwen_npu_compile.handoff import hand_off as real_hand_off
+from qwen_npu_compile.npu_ops import rotary_mul_orthogonal
+
+TORCHAIR = {"downstream": "torchair"}
+ORTHOGONAL = rotary_mul_orthogonal.OP
+NPU = torch.ops.npu
+
+
+@pytest.fixture
+def torchair_target_on_aot_eager(monkeypatch):
+    """Fuse for torchair, run on aot_eager; returns ``{"forward": [gm...], "backward": [gm...]}``."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    graphs = {"forward": [], "backward": []}
+
+    def recorder(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind].append(gm)
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    def hand_off(downstream, gm, example_inputs, report, config):
+        if downstream != "torchair":
+            return real_hand_off(downstream, gm, example_inputs, report, config)
+        return aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))(gm, example_inputs)
+
+    monkeypatch.setattr(qwen_backend, "hand_off", hand_off)
+    return graphs
+
+
+def _count(graphs, op) -> int:
+    return sum(len(gm.graph.find_nodes(op="call_function", target=op)) for gm in graphs)
+
+
+def _refusals(report, family):
+    return [r for r in report.refused if r.family == family]
+
+
+# -- rotary: the orthogonal form on real Qwen2 code ----------------------------------------------------
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_qwen2_training_for_torchair_uses_the_orthogonal_rotary(npu_ops, torchair_target_on_aot_eager, dtype, head_dim):
+    """Training for torchair: cos/sin from cat(freqs, freqs), no grad -> rotary_mul_orthogonal, whose
+    backward is the forward op again (no npu_rotary_mul_backward, whose converter needs D % 64 == 0)."""
+    layers = 2
+    model = tiny_qwen2(dtype, hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=2).train()
+    input_ids = torch.randint(0, 128, (2, 16))
+    eager_logits, eager_grads = run_model(model, model, input_ids, True)
+    compiled = torch.compile(model, backend="qwen_npu", options={**TORCHAIR, "fusions": "rotary"})
+    logits, grads = run_model(model, compiled, input_ids, True)
+    assert rel_err(logits, eager_logits) <= RTOL[dtype]
+    assert max(rel_err(grads[n], eager_grads[n]) for n in eager_grads) <= 5 * RTOL[dtype]
+    [report] = get_reports()
+    assert report.downstream == "torchair" and report.fusions == {"rotary": 2 * layers}
+    assert _refusals(report, "rotary") == []
+    graphs = torchair_target_on_aot_eager
+    assert _count(graphs["forward"], ORTHOGONAL) == 2 * layers
+    assert _count(graphs["forward"], NPU.npu_rotary_mul.default) == 0
+    assert _count(graphs["backward"], ORTHOGONAL) == 2 * layers
+    assert _count(graphs["backward"], NPU.npu_rotary_mul_backward.default) == 0
+
+
+def test_qwen2_training_for_torchair_dynamic_sequence_length(npu_ops, torchair_target_on_aot_eager):
+    """dynamic=True (verl's varying lengths): the orthogonal form needs no static shape; one graph."""
+    dtype, layers = torch.bfloat16, 1
+    model = tiny_qwen2(dtype, num_hidden_layers=layers).train()  # head_dim 16
+    compiled = torch.compile(model, backend="qwen_npu", options={**TORCHAIR, "fusions": "rotary"}, dynamic=True)
+    for seq in (16, 11):
+        input_ids = torch.randint(0, 128, (2, seq))
+        eager_logits, eager_grads = run_model(model, model, input_ids, True)
+        logits, grads = run_model(model, compiled, input_ids, True)
+        assert rel_err(logits, eager_logits) <= RTOL[dtype]
+        assert max(rel_err(grads[n], eager_grads[n]) for n in eager_grads) <= 5 * RTOL[dtype]
+    [report] = get_reports()
+    assert report.fusions == {"rotary": 2 * layers} and _refusals(report, "rotary") == []
+    graphs = torchair_target_on_aot_eager
+    assert _count(graphs["backward"], ORTHOGONAL) == 2 * layers
+    assert _count(graphs["backward"], NPU.npu_rotary_mul_backward.default) == 0
+
+
+def test_qwen2_inference_for_torchair_keeps_npu_rotary_mul(npu_ops, torchair_target_on_aot_eager):
+    """No backward, no converter limit to avoid: the plain npu_rotary_mul (RotaryMul) as for other downstreams."""
+    model = tiny_qwen2(torch.bfloat16).eval()
+    with torch.no_grad():
+        torch.compile(model, backend="qwen_npu", options={**TORCHAIR, "fusions": "rotary"})(torch.randint(0, 128, (2, 16)))
+    [report] = get_reports()
+    assert report.fusions == {"rotary": 4}
+    assert _count(torchair_target_on_aot_eager["forward"], NPU.npu_rotary_mul.default) == 4
+    assert _count(torchair_target_on_aot_eager["forward"], ORTHOGONAL) == 0
+
+
+def test_other_downstreams_keep_npu_rotary_mul_backward(npu_ops):
+    model = tiny_qwen2(torch.float32).train()
+    run_model(model, torch.compile(model, backend="qwen_npu", options={"fusions": "rotary"}), torch.randint(0, 128, (2, 8)), True)
+    [report] = get_reports()
+    assert report.aot_ops == {"forward": {"npu_rotary_mul": 4}, "backward": {"npu_rotary_mul_backward": 4}}
+
+
+# -- rotary: cos/sin the graph cannot prove (graph inputs) ---------------------------------------------
+
+
+def bsnd_rotary(x_bsnd, cos, sin):
+    x = x_bsnd.transpose(1, 2)
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+def _cos_sin(seq: int, head_dim: int, requires_grad: bool = False):
+    freqs = torch.randn(1, seq, head_dim // 2)
+    emb = torch.cat([freqs, freqs], -1)
+    return emb.cos().requires_grad_(requires_grad), emb.sin().requires_grad_(requires_grad)
+
+
+def _compile_bsnd(head_dim: int, dynamic_seq: bool = False):
+    x = torch.randn(2, 8, 4, head_dim, requires_grad=True)
+    cos, sin = _cos_sin(8, head_dim)
+    if dynamic_seq:  # S symbolic, as Dynamo's automatic dynamic gives verl's varying lengths; D stays static
+        for t in (x, cos, sin):
+            torch._dynamo.mark_dynamic(t, 1)
+    got = torch.compile(bsnd_rotary, backend="qwen_npu", options=TORCHAIR)(x, cos, sin)
+    expected = bsnd_rotary(x, cos, sin)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    grad = torch.randn_like(expected)
+    torch.testing.assert_close(torch.autograd.grad(got, x, grad)[0], torch.autograd.grad(expected, x, grad)[0],
+                               atol=1e-6, rtol=1e-6)
+    [report] = get_reports()
+    return report
+
+
+def test_unprovable_sin_with_head_dim_16_is_refused_naming_the_converter(npu_ops, torchair_target_on_aot_eager):
+    report = _compile_bsnd(16)
+    assert report.fusions == {"rms_norm": 0, "swiglu": 0, "rotary": 0, "attention": 0}
+    [refusal] = _refusals(report, "rotary")
+    assert "npu_rotary_mul_backward" in refusal.reason and "D % 64 == 0, got D=16" in refusal.reason
+    assert "equal halves" in refusal.reason
+
+
+def test_unprovable_sin_with_head_dim_64_fuses_with_the_backward_op(npu_ops, torchair_target_on_aot_eager):
+    report = _compile_bsnd(64)
+    assert report.fusions["rotary"] == 1 and _refusals(report, "rotary") == []
+    assert _count(torchair_target_on_aot_eager["backward"], NPU.npu_rotary_mul_backward.default) == 1
+
+
+def test_unprovable_sin_under_dynamic_shapes_is_refused(npu_ops, torchair_target_on_aot_eager):
+    report = _compile_bsnd(64, dynamic_seq=True)
+    assert report.fusions["rotary"] == 0
+    [refusal] = _refusals(report, "rotary")
+    assert "needs static shapes" in refusal.reason and "npu_rotary_mul_backward" in refusal.reason
+
+
+def test_cos_sin_needing_grad_never_take_the_orthogonal_form(npu_ops, torchair_target_on_aot_eager):
+    def rope_from_freqs(x_bsnd, freqs):
+        emb = torch.cat([freqs, freqs], -1)
+        return bsnd_rotary(x_bsnd, emb.cos(), emb.sin())
+
+    x = torch.randn(2, 8, 4, 16, requires_grad=True)
+    freqs = torch.randn(1, 8, 8, requires_grad=True)  # sin has equal halves, but needs grad
+    got = torch.compile(rope_from_freqs, backend="qwen_npu", options=TORCHAIR)(x, freqs)
+    expected = rope_from_freqs(x, freqs)
+    torch.testing.assert_close(got, expected)
+    [report] = get_reports()
+    assert report.fusions["rotary"] == 0
+    [refusal] = _refusals(report, "rotary")
+    assert "cos/sin need grad" in refusal.reason
+    assert _count(torchair_target_on_aot_eager["forward"], ORTHOGONAL) == 0
+
+
+def test_orthogonal_op_refuses_cos_sin_that_need_grad(npu_ops):
+    from qwen_npu_compile.npu_ops import rotary_mul_orthogonal
+
+    x = torch.randn(1, 4, 2, 16, requires_grad=True)
+    cos, sin = _cos_sin(4, 16, requires_grad=True)
+    out = rotary_mul_orthogonal.rotary_mul_orthogonal(x, cos.unsqueeze(2), sin.unsqueeze(2))
+    with pytest.raises(RuntimeError, match="need grad"):
+        out.sum().backward()
+
+
+# -- attention: fp32 under torchair ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,fused", [(torch.float32, 0), (torch.bfloat16, 2)], ids=["fp32", "bf16"])
+def test_attention_for_torchair_refuses_fp32(npu_ops, torchair_target_on_aot_eager, dtype, fused):
+    model = tiny_qwen2(dtype).eval()
+    with torch.no_grad():
+        torch.compile(model, backend="qwen_npu", options={**TORCHAIR, "fusions": "attention"})(torch.randint(0, 128, (2, 8)))
+    [report] = get_reports()
+    assert report.fusions == {"attention": fused}
+    reasons = [r.reason for r in _refusals(report, "attention")]
+    if fused:
+        assert reasons == []
+    else:
+        assert len(reasons) == 2 and all("FlashAttentionScore" in r and "fp16/bf16" in r for r in reasons)
+
+
+# -- ge_converters without torchair ---------------------------------------------------------------------
+
+
+def test_register_converters_without_torchair_warns_and_registers_nothing(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "torchair", None)  # `import torchair` raises ImportError
+    with caplog.at_level(logging.WARNING, logger="qwen_npu_compile.ge_converters"):
+        assert ge_converters.register_converters() == []
+    assert "could not be imported" in caplog.text
+
+
+# -- torchair's real FX→GE conversion, off-NPU (subprocess) -------------------------------------------
+
+_CONVERT = textwrap.dedent(
+    """
+    import json, sys, torch, transformers
+    from qwen_npu_compile import get_reports
+    from qwen_npu_compile.torchair_offline import TorchairUnavailableError, load_offline_torchair
+    try:
+        load_offline_torchair()
+    except TorchairUnavailableError as exc:
+        print(json.dumps({"unavailable": str(exc)})); sys.exit(0)
+    hidden, dtype, dynamic, fusions = json.loads(sys.argv[1])
+    config = transformers.Qwen2Config(hidden_size=hidden, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa").to(getattr(torch, dtype)).train()
+    compiled = torch.compile(model, backend="qwen_npu", options={"downstream": "torchair", "fusions": fusions},
+                             dynamic=dynamic)
+    for seq in ((16, 11) if dynamic else (16,)):
+        ids = torch.randint(0, 128, (2, seq))
+        compiled(input_ids=ids, labels=ids).loss.backward()
+    out = []
+    for report in get_reports():
+        ge = report.ge
+        out.append({"fusions": report.fusions, "graphs": [{"kind": g.kind, "ops": g.ops} for g in ge.graphs],
+                    "failures": [{"op": f.op, "error": f.error} for f in ge.failures]})
+    print(json.dumps({"reports": out}))
+    """
+)
+
+
+def _convert(hidden: int, dtype: str, dynamic: bool, fusions: str = "all") -> list:
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    done = subprocess.run([sys.executable, "-c", _CONVERT, json.dumps([hidden, dtype, dynamic, fusions])],
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if "unavailable" in result:
+        pytest.skip(f"torchair off-NPU unavailable: {result['unavailable']}")
+    return result["reports"]
+
+
+@pytest.mark.parametrize("hidden,dynamic", [(64, False), (64, True), (256, False)],
+                         ids=["d16-static", "d16-dynamic", "d64-static"])
+def test_training_graph_converts_with_torchair(npu_ops, hidden, dynamic):
+    """Every fusion applied, forward and backward: 0 conversion failures; FlashAttentionScoreGrad (5
+    outputs via our converter) and RotaryMul (the orthogonal backward), no RotaryMulGrad."""
+    [report] = _convert(hidden, "bfloat16", dynamic)
+    assert report["failures"] == []
+    assert report["fusions"] == {"rms_norm": 3, "swiglu": 1, "rotary": 2, "attention": 1}
+    ops = {g["kind"]: g["ops"] for g in report["graphs"]}
+    assert ops["forward"]["FlashAttentionScore"] == 1 and ops["forward"]["RotaryMul"] == 2
+    assert ops["backward"]["FlashAttentionScoreGrad"] == 1 and ops["backward"]["RotaryMul"] == 2
+    assert "RotaryMulGrad" not in ops["backward"]
+
+
+def test_unfused_swiglu_backward_converts_with_torchair(npu_ops):
+    """SwiGLU disabled: aten.silu_backward (a stub in torchair) converts with our Sigmoid/SigmoidGrad form."""
+    [report] = _convert(64, "bfloat16", False, fusions="rms_norm,rotary,attention")
+    assert report["failures"] == []
+    backward = next(g["ops"] for g in report["graphs"] if g["kind"] == "backward")
+    assert backward["SigmoidGrad"] == 1

@@ -73,8 +73,9 @@ import contextvars
 
 import torch
 import torch.fx
-from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from qwen_npu_compile.compat import guard_or_false
 from qwen_npu_compile.fusion import FusionFamily, PatternVariant, current_target, meta_val
 from qwen_npu_compile.npu_ops import rotary_mul_orthogonal
 from qwen_npu_compile.npu_ops.rotary_mul import rotary_mul_violation

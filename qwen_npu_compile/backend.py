@@ -132,12 +132,14 @@ def rewrite(gm, example_inputs, config: QwenNpuConfig, status: NpuOpsStatus, dow
     start = time.perf_counter()
     try:
         aten_gm = canonicalize.to_aten_graph(gm, example_inputs)
-    except canonicalize.CanonicalizationError as exc:
+    except torch._dynamo.exc.RestartAnalysis:
+        raise  # Dynamo recaptures and calls us again: not a failure
+    except Exception as exc:  # noqa: BLE001 - a retrace failure must never crash the user's compile
         # Never a silent wrong result: compile the captured graph as it is, unfused, and say so.
-        report.fallback = str(exc)
+        reason = str(exc) if isinstance(exc, canonicalize.CanonicalizationError) else f"{type(exc).__name__}: {exc}"
+        report.fallback = reason
         report.fusions = dict.fromkeys(families, 0)
-        log.warning("qwen_npu %s: fusion skipped, compiling the graph unfused: %s; upgrade transformers to 5.x "
-                    "to get the fused kernels", name, exc)
+        log.warning("qwen_npu %s: fusion skipped, compiling the graph unfused: %s", name, reason)
         return report, gm
     report.seconds["canonicalize"] = time.perf_counter() - start
     folder = dump_root(config) / name if config.dump_dir is not None else None
@@ -191,4 +193,3 @@ def publish(report: GraphReport, config: QwenNpuConfig) -> None:
         )
     if config.dump_dir is not None:
         write_report(report, dump_root(config))
-

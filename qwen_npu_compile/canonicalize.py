@@ -10,17 +10,25 @@ including under ``dynamic=True`` (symbolic sizes kept, no new guards).
 
 The graph is then normalised so that one subgraph has one spelling: no-op ``aten.to`` casts (an fp32
 tensor cast to fp32) are removed. The same normalisation runs on every traced pattern
-(:func:`trace_pattern`), so patterns and graphs always agree.
+(:func:`trace_pattern`), so patterns and graphs always agree. Graphs also lose the full slices of
+static dimensions that torch 2.7 records and later versions do not (:func:`remove_noop_slices`).
+
+``torch.vmap`` in the model (transformers 4.53-4.57 build every attention mask with it) is desugared
+region by region before the retrace, as AOTAutograd would (see :class:`VmapRegion`). Every way the
+retrace can fail raises :class:`CanonicalizationError`; the backend then compiles the graph unfused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
+
+from . import compat
 
 aten = torch.ops.aten
 
@@ -48,11 +56,6 @@ def _fake_inputs(example_inputs: Sequence[object], fake_mode) -> list[object]:
     return [fake_mode.from_tensor(value) if isinstance(value, torch.Tensor) else value for value in example_inputs]
 
 
-def _saved_tensors_hooks_disabled():
-    disable = getattr(torch._dynamo.utils, "_disable_saved_tensors_hooks_during_tracing", None)
-    return disable() if disable is not None else contextlib.nullcontext()
-
-
 def to_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> torch.fx.GraphModule:
     """Retrace a Dynamo GraphModule into the normalised pre-autograd ATen graph.
 
@@ -63,35 +66,209 @@ def to_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) ->
     Returns:
         A GraphModule with the same placeholders and outputs, whose nodes are ATen ops carrying
         ``meta["val"]`` (FakeTensors) and ``meta["stack_trace"]`` back to the model source.
+
+    Raises:
+        CanonicalizationError: the graph cannot be retraced, or not faithfully (any error of the
+            trace is wrapped in it; Dynamo's ``RestartAnalysis`` passes through untouched).
     """
     fake_mode = _fake_mode_for(example_inputs)
     fake_args = _fake_inputs(example_inputs, fake_mode)
+    regions = [expand_vmap_region(gm, region) for region in find_vmap_regions(gm.graph)]
 
     def run(*args):
-        return torch.fx.Interpreter(gm).run(*args)
+        return _Retracer(gm, regions).run(*args)
 
     # Saved-tensor hooks of an enclosing non-reentrant checkpoint / activation offload must not see
     # the retrace's fake saves (AOTAutograd guards its own tracing the same way).
-    with torch.fx.traceback.preserve_node_meta(), fake_mode, _saved_tensors_hooks_disabled():
-        aten_gm = make_fx(run, pre_dispatch=True)(*fake_args)
+    with torch.fx.traceback.preserve_node_meta(), fake_mode, compat.saved_tensors_hooks_disabled():
+        aten_gm = _traced("the pre-dispatch retrace", lambda: make_fx(run, pre_dispatch=True)(*fake_args))
     fake_constants = sorted(
         {node.target for node in aten_gm.graph.find_nodes(op="get_attr")
          if isinstance(getattr(aten_gm, node.target, None), torch._subclasses.FakeTensor)}
     )
     if fake_constants:
         # make_fx lost track of a computed tensor and froze its *fake* value into the graph: the
-        # retraced graph would be wrong (seen with the torch.vmap-built attention masks of
-        # transformers 4.5x masking_utils).
+        # retraced graph would be wrong (this is what an undesugared torch.vmap region did; another
+        # functorch transform in the model would do the same).
         raise CanonicalizationError(
             f"the pre-dispatch retrace froze computed tensors into constants ({', '.join(fake_constants)}); "
-            "this happens with torch.vmap in the model (transformers 4.5x builds attention masks with it)"
+            "a functorch transform (torch.vmap, grad, jvp) in the model that the retrace cannot follow"
         )
+    remove_noop_slices(aten_gm.graph)
     normalize(aten_gm)
     return aten_gm
 
 
 class CanonicalizationError(RuntimeError):
     """The Dynamo graph cannot be retraced faithfully; the backend falls back to the unfused graph."""
+
+
+def _traced(what: str, trace: Callable[[], torch.fx.GraphModule]) -> torch.fx.GraphModule:
+    """Run ``trace``; any error of it becomes a :class:`CanonicalizationError` saying ``what`` failed.
+
+    Functorch levels the trace leaves pushed are popped. Dynamo's ``RestartAnalysis`` (a request to
+    recapture, not a failure) and a :class:`CanonicalizationError` pass through unchanged.
+    """
+    try:
+        with compat.functorch_levels_restored():
+            return trace()
+    except (CanonicalizationError, torch._dynamo.exc.RestartAnalysis):
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure here means: compile unfused, never crash or be wrong
+        raise CanonicalizationError(f"{what} failed: {type(exc).__name__}: {_first_line(exc)}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.vmap in the Dynamo graph
+#
+# transformers 4.53-4.57 ``masking_utils._vmap_for_bhqkv`` build every attention mask with a 4-fold
+# torch.vmap. Dynamo inlines it as a flat run of nodes: lazy_load_decompositions,
+# _vmap_increment_nesting, _add_batch_dim, the per-example body, _remove_batch_dim,
+# _vmap_decrement_nesting (spellings by torch version: compat.VMAP_ENTER / VMAP_EXIT). The pre-dispatch
+# tracer runs *above* functorch's batching layer, so it cannot follow the batched tensors: on torch
+# 2.7-2.8 and 2.13 they are frozen into the graph as constants, on 2.9-2.11 the retrace crashes.
+# AOTAutograd's tracer runs *below* the batching layer and records the plain ATen ops the batching
+# rules emit. So each vmap region is traced that way on its own (expand_vmap_region), and the
+# pre-dispatch retrace runs those plain ops in the region's place (_Retracer): the canonical graph
+# holds no functorch calls at all.
+
+
+@dataclasses.dataclass
+class VmapRegion:
+    """An outermost ``_vmap_increment_nesting`` .. matching ``_vmap_decrement_nesting`` run of nodes.
+
+    Attributes:
+        nodes: the region's nodes in graph order, the increment first and the decrement last.
+        inputs: nodes outside the region that it reads (tensors, SymInts), in first-use order.
+        outputs: region nodes read outside the region (normally the one ``_remove_batch_dim``).
+        expanded: the region as plain ATen ops (:func:`expand_vmap_region`): a GraphModule taking
+            ``inputs`` and returning a tuple of ``outputs``' values; None before expansion.
+    """
+
+    nodes: list[torch.fx.Node]
+    inputs: list[torch.fx.Node]
+    outputs: list[torch.fx.Node]
+    expanded: torch.fx.GraphModule | None = None
+
+
+def _calls(node: torch.fx.Node, targets: frozenset) -> bool:
+    return node.op == "call_function" and node.target in targets
+
+
+def find_vmap_regions(graph: torch.fx.Graph) -> list[VmapRegion]:
+    """The outermost vmap regions of ``graph``, in graph order (nested vmaps belong to their outer one).
+
+    Raises:
+        CanonicalizationError: the increment and decrement calls do not balance.
+    """
+    regions: list[VmapRegion] = []
+    current: list[torch.fx.Node] | None = None
+    depth = 0
+    for node in graph.nodes:
+        if _calls(node, compat.VMAP_ENTER):
+            if depth == 0:
+                current = []
+            depth += 1
+        if current is not None:
+            current.append(node)
+        if _calls(node, compat.VMAP_EXIT):
+            depth -= 1
+            if depth < 0:
+                raise CanonicalizationError("unbalanced torch.vmap nesting calls in the Dynamo graph")
+            if depth == 0:
+                inside = set(current)
+                inputs = list(dict.fromkeys(i for n in current for i in n.all_input_nodes if i not in inside))
+                outputs = [n for n in current if any(user not in inside for user in n.users)]
+                regions.append(VmapRegion(current, inputs, outputs))
+                current = None
+    if depth != 0:
+        raise CanonicalizationError("unbalanced torch.vmap nesting calls in the Dynamo graph")
+    return regions
+
+
+def _example_value(node: torch.fx.Node):
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def expand_vmap_region(gm: torch.fx.GraphModule, region: VmapRegion) -> VmapRegion:
+    """Trace ``region`` as AOTAutograd would (below the batching layer) into plain ATen ops.
+
+    The region is copied into a graph of its own and traced with plain ``make_fx`` on Dynamo's own
+    ``example_value`` metas of its inputs, in Dynamo's fake mode; symbolic sizes stay symbolic (the
+    traced graph reads them off its inputs).
+
+    Returns:
+        ``region``, with ``expanded`` set.
+
+    Raises:
+        CanonicalizationError: an input has no example value, the inputs come from different fake
+            modes, the trace fails, or it leaves functorch calls or tensor constants behind.
+    """
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in region.inputs:
+        env[node] = graph.placeholder(node.name)
+        env[node].meta.update(node.meta)
+    for node in region.nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(tuple(env[node] for node in region.outputs))
+    region_gm = torch.fx.GraphModule(gm, graph)
+
+    examples = [_example_value(node) for node in region.inputs]
+    missing = [node.name for node, value in zip(region.inputs, examples) if value is None]
+    if missing:
+        raise CanonicalizationError(f"torch.vmap region inputs without example values: {', '.join(missing)}")
+    modes = {id(v.fake_mode): v.fake_mode for v in examples if isinstance(v, torch._subclasses.FakeTensor)}
+    if len(modes) > 1:
+        raise CanonicalizationError("torch.vmap region inputs come from different fake modes")
+    fake_mode = next(iter(modes.values()), None)
+
+    def run(*args):
+        return torch.fx.Interpreter(region_gm).run(*args)
+
+    with (
+        torch.fx.traceback.preserve_node_meta(),
+        fake_mode if fake_mode is not None else contextlib.nullcontext(),
+        compat.saved_tensors_hooks_disabled(),
+    ):
+        expanded = _traced(f"tracing the torch.vmap region at {region.nodes[0].name}", lambda: make_fx(run)(*examples))
+    leftovers = [
+        n.name for n in expanded.graph.nodes
+        if n.op == "get_attr" or _calls(n, compat.VMAP_ENTER | compat.VMAP_EXIT)
+    ]  # fmt: skip
+    if leftovers:
+        raise CanonicalizationError(
+            f"the torch.vmap region at {region.nodes[0].name} did not trace to plain ATen ops "
+            f"({', '.join(leftovers)} left)"
+        )
+    region.expanded = expanded
+    return region
+
+
+class _Retracer(torch.fx.Interpreter):
+    """Runs the Dynamo graph for make_fx, with each vmap region replaced by its plain-ATen expansion."""
+
+    def __init__(self, gm: torch.fx.GraphModule, regions: Sequence[VmapRegion]):
+        super().__init__(gm)
+        self._starts = {region.nodes[0]: region for region in regions}
+        self._inside = {node for region in regions for node in region.nodes}
+        self._results: dict[torch.fx.Node, object] = {}
+
+    def run_node(self, n: torch.fx.Node):
+        region = self._starts.get(n)
+        if region is not None:
+            outputs = torch.fx.Interpreter(region.expanded).run(*(self.env[node] for node in region.inputs))
+            self._results.update(zip(region.outputs, outputs))
+        if n in self._inside:
+            return self._results.pop(n, None)
+        if _calls(n, compat.VMAP_LAZY_LOAD) and not n.users:
+            return None  # loads functorch's batching decompositions: the expansion no longer needs them
+        return super().run_node(n)
 
 
 def lift_tensor_constants(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
@@ -159,6 +336,43 @@ def remove_noop_casts(graph: torch.fx.Graph) -> int:
             and val_in.shape == val_out.shape
         )
         if same:
+            node.replace_all_uses_with(source)
+            graph.erase_node(node)
+            removed += 1
+    return removed
+
+
+def remove_noop_slices(graph: torch.fx.Graph) -> int:
+    """Erase ``aten.slice.Tensor`` nodes that take the whole of a dimension of static size.
+
+    ``x[:, :, None]`` slices every dimension it passes over. Since torch 2.8, tensor indexing returns
+    ``x`` itself for a full slice of a static dimension and the pre-dispatch trace holds no node for
+    it; torch 2.7 records ``aten.slice(x, dim, 0, 9223372036854775807)`` (e.g. four of them around
+    transformers' ``repeat_kv``). Removing them gives every supported torch the same graph. A slice
+    of a symbolic dimension is kept, as every torch keeps it (deciding it is full would need a guard).
+
+    Graphs only, not patterns: patterns spell their slices with explicit ATen calls (the full slice
+    standing for a symbolic dimension is traced on static example sizes and must stay), and index
+    nothing that would leave a static full slice.
+
+    Returns:
+        The number of slices removed.
+    """
+    removed = 0
+    for node in list(graph.find_nodes(op="call_function", target=aten.slice.Tensor)):
+        source = node.args[0] if node.args else None
+        if not isinstance(source, torch.fx.Node):
+            continue
+        val_in, val_out = source.meta.get("val"), node.meta.get("val")
+        if not isinstance(val_in, torch.Tensor) or not isinstance(val_out, torch.Tensor):
+            continue
+        names = ("dim", "start", "end", "step")
+        given = dict(zip(names, node.args[1:]), **node.kwargs)
+        dim, start, step = given.get("dim", 0), given.get("start"), given.get("step", 1)
+        if not isinstance(dim, int) or start not in (None, 0) or step != 1 or val_in.dim() == 0:
+            continue
+        size, kept = val_in.shape[dim], val_out.shape[dim]
+        if type(size) is int and type(kept) is int and size == kept:  # SymInts never compared: no guards
             node.replace_all_uses_with(source)
             graph.erase_node(node)
             removed += 1

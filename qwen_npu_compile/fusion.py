@@ -6,7 +6,8 @@ anchor op that betrays its presence, the fused ops it produces, and a generator 
 ``fx_passes/fuse_attention.py::_get_sfdp_patterns``.
 
 A :class:`FamilyPass` owns one Inductor ``PatternMatcherPass`` per family (never the global Inductor
-pattern tables), registers the variants lazily on first use with ``register_replacement`` and
+pattern tables), registers the variants lazily on first use with ``register_replacement`` (through
+:func:`qwen_npu_compile.compat.register_replacement`: its keywords differ by torch version) and
 :func:`qwen_npu_compile.canonicalize.trace_pattern` (so patterns are traced exactly like the graphs),
 and wraps each variant's ``check`` so that every refusal is recorded with its reason and model source
 line. After matching, every anchor op left in the graph is a *near miss* and gets a recorded reason too.
@@ -27,6 +28,7 @@ import torch
 import torch.fx
 from torch._inductor import pattern_matcher as pm
 
+from . import compat
 from .canonicalize import trace_pattern
 
 log = logging.getLogger(__name__)
@@ -240,17 +242,16 @@ class FamilyPass:
             return
         start = time.perf_counter()
         for variant in self.family.iter_variants():
-            pm.register_replacement(
+            compat.register_replacement(
                 variant.search_fn,
                 variant.replace_fn,
                 list(variant.example_inputs()),
                 trace_pattern,
                 self.matcher,
                 extra_check=self._wrap_check(variant),
-                scalar_workaround=dict(variant.scalar_workaround),
+                scalar_workaround=variant.scalar_workaround,
                 search_fn_pattern=variant.search_fn_pattern,
-                skip_duplicates=True,
-                pattern_name=variant.name,
+                name=variant.name,
             )
             self.variants.append(variant)
         self.registration_seconds = time.perf_counter() - start

@@ -24,7 +24,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.fx.experimental.symbolic_shapes import guard_or_false, is_concrete_int
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+from ..compat import guard_or_false
 
 ROTARY_MUL_SCHEMA = (
     "npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half', Tensor? rotate=None) -> Tensor"

@@ -1,0 +1,184 @@
+"""Every difference between the torch versions this package supports, in one place.
+
+Supported: torch 2.7 to 2.13 (CI runs 2.7.1, 2.9.0, 2.10.0 and 2.13.0). Nothing else in the package
+reads ``torch.__version__`` or probes private torch APIs; it imports what it needs from here. Where
+possible a difference is detected from the API itself (a signature, an attribute), not from a version
+number, so a backport or a later change is followed automatically.
+
+What differs, and how it is absorbed:
+
+* ``torch._inductor.pattern_matcher.register_replacement`` gained ``pattern_name`` after torch 2.10
+  (present in 2.13.0, absent in 2.7.1, 2.9.0 and 2.10.0; it only names the pattern in Inductor's
+  counters), and ``get_decomp_fn`` with it. :func:`register_replacement` passes only the keywords the
+  installed signature has; ``skip_duplicates`` and ``search_fn_pattern`` are in every supported version.
+* ``torch.vmap`` as Dynamo records it: up to torch 2.8 the graph calls the C++ functions
+  ``torch._C._functorch._vmap_increment_nesting`` / ``_add_batch_dim`` / ``_remove_batch_dim`` /
+  ``_vmap_decrement_nesting`` (plus ``torch._functorch.vmap.lazy_load_decompositions``); since 2.9
+  it calls the Python wrappers of the same names in ``torch._functorch.predispatch``.
+  :data:`VMAP_ENTER`, :data:`VMAP_EXIT` and :data:`VMAP_LAZY_LOAD` hold both spellings.
+* The functorch interpreter stack (``torch._functorch.pyfunctorch.retrieve_all_functorch_interpreters``,
+  the same in every supported version): :func:`functorch_levels_restored` pops vmap levels that a
+  failed trace left pushed (Dynamo's guards check that stack).
+* ``torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing`` (present in 2.7.1 to 2.13.0;
+  a no-op where missing): :func:`saved_tensors_hooks_disabled`.
+* ``torch.fx.experimental.symbolic_shapes.guard_or_false`` exists since torch 2.8; torch 2.7 calls it
+  ``definitely_true``: :data:`guard_or_false`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # Inductor's pattern matcher is imported when first used (npu_ops import this module)
+    from torch._inductor import pattern_matcher as pm
+
+__all__ = [
+    "VMAP_ENTER",
+    "VMAP_EXIT",
+    "VMAP_LAZY_LOAD",
+    "functorch_depth",
+    "functorch_levels_restored",
+    "guard_or_false",
+    "register_replacement",
+    "saved_tensors_hooks_disabled",
+]
+
+
+# --------------------------------------------------------------------------------------------------
+# Inductor's pattern matcher
+
+
+@functools.cache
+def _register_replacement_parameters() -> frozenset[str]:
+    from torch._inductor import pattern_matcher as pm
+
+    return frozenset(inspect.signature(pm.register_replacement).parameters)
+
+
+def register_replacement(
+    search_fn: Callable[..., object],
+    replace_fn: Callable[..., object],
+    example_inputs: Sequence[object],
+    trace_fn: Callable[..., torch.fx.GraphModule],
+    pass_dict: pm.PatternMatcherPass,
+    *,
+    extra_check: Callable[[pm.Match], bool],
+    scalar_workaround: dict[str, float | int],
+    search_fn_pattern: pm.PatternExpr | None,
+    name: str,
+) -> None:
+    """``pm.register_replacement`` with the keywords the installed torch accepts.
+
+    Duplicates (two variants tracing to the same pattern) are skipped, not an error
+    (``skip_duplicates=True``). ``name`` becomes ``pattern_name`` where that exists (torch > 2.10).
+
+    Raises:
+        RuntimeError: a keyword this package relies on (``search_fn_pattern`` when given,
+            ``skip_duplicates``) is missing from the installed torch, i.e. torch older than 2.7.
+    """
+    accepted = _register_replacement_parameters()
+    wanted = {"skip_duplicates": True, "pattern_name": name}
+    if search_fn_pattern is not None:
+        wanted["search_fn_pattern"] = search_fn_pattern
+    required = {"skip_duplicates", "search_fn_pattern"} & set(wanted)
+    missing = sorted(required - accepted)
+    if missing:
+        raise RuntimeError(
+            f"qwen_npu: torch {torch.__version__}'s register_replacement has no {', '.join(missing)}; "
+            "this package needs torch 2.7 or newer"
+        )
+    kwargs = {key: value for key, value in wanted.items() if key in accepted}
+    from torch._inductor import pattern_matcher as pm
+
+    pm.register_replacement(
+        search_fn, replace_fn, list(example_inputs), trace_fn, pass_dict,
+        extra_check=extra_check, scalar_workaround=dict(scalar_workaround), **kwargs,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.vmap in Dynamo graphs
+
+
+def _vmap_targets() -> tuple[frozenset, frozenset, frozenset]:
+    import torch._functorch.vmap as functorch_vmap
+
+    enter = {torch._C._functorch._vmap_increment_nesting}
+    leave = {torch._C._functorch._vmap_decrement_nesting}
+    lazy = {functorch_vmap.lazy_load_decompositions}
+    try:  # torch >= 2.9: Dynamo records these Python wrappers instead
+        from torch._functorch import predispatch
+    except ImportError:
+        predispatch = None
+    if predispatch is not None:
+        enter.add(predispatch._vmap_increment_nesting)
+        leave.add(predispatch._vmap_decrement_nesting)
+        if hasattr(predispatch, "lazy_load_decompositions"):
+            lazy.add(predispatch.lazy_load_decompositions)
+    return frozenset(enter), frozenset(leave), frozenset(lazy)
+
+
+#: Targets of the call that opens a vmap level (``_vmap_increment_nesting``, both spellings).
+#: The call that closes it, and functorch's one-time loading of its batching decompositions.
+VMAP_ENTER, VMAP_EXIT, VMAP_LAZY_LOAD = _vmap_targets()
+
+
+def functorch_depth() -> int:
+    """How many functorch interpreters (vmap, grad, jvp, functionalize levels) are active."""
+    return len(torch._functorch.pyfunctorch.retrieve_all_functorch_interpreters())
+
+
+@contextlib.contextmanager
+def functorch_levels_restored() -> Iterator[None]:
+    """Pop vmap levels pushed inside the block and left behind (a trace that failed mid-vmap).
+
+    Dynamo's guards include the functorch interpreter stack: a level left pushed would make every
+    later compiled call miss its guards. Only vmap levels are popped (the only ones a vmap region
+    pushes); anything else left on the stack is a torch bug and is left to torch.
+    """
+    before = functorch_depth()
+    try:
+        yield
+    finally:
+        while functorch_depth() > before:
+            top = torch._functorch.pyfunctorch.retrieve_current_functorch_interpreter()
+            if top is None or top.key() != torch._C._functorch.TransformType.Vmap:
+                break
+            torch._C._functorch._vmap_decrement_nesting()
+
+
+# --------------------------------------------------------------------------------------------------
+# tracing
+
+
+def saved_tensors_hooks_disabled() -> contextlib.AbstractContextManager:
+    """Keep ambient saved-tensor hooks (non-reentrant checkpoint, activation offload) off a trace.
+
+    AOTAutograd guards its own tracing with ``torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing``
+    (torch 2.7.1 to 2.13.0); where torch lacks it, nothing is disabled.
+    """
+    disable = getattr(torch._dynamo.utils, "_disable_saved_tensors_hooks_during_tracing", None)
+    return disable() if disable is not None else contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------------------------------
+# symbolic shapes
+
+
+def _guard_or_false():
+    from torch.fx.experimental import symbolic_shapes
+
+    found = getattr(symbolic_shapes, "guard_or_false", None)
+    return found if found is not None else symbolic_shapes.definitely_true
+
+
+#: ``guard_or_false(condition)``: the condition's value, guarding on backed symbols; False where it
+#: depends on an unbacked symbol. ``torch.fx.experimental.symbolic_shapes.guard_or_false`` since torch
+#: 2.8; torch 2.7 has the same semantics under the name ``definitely_true``.
+guard_or_false = _guard_or_false()

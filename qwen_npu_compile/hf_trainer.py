@@ -22,14 +22,11 @@ This module imports ``transformers.TrainerCallback``; ``import qwen_npu_compile`
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 
 from transformers import TrainerCallback
 
 from .worker import ENV_COMPILE, CompiledLayers, compile_requested, maybe_compile
-
-log = logging.getLogger("qwen_npu_compile")
 
 
 class QwenNpuCompileCallback(TrainerCallback):

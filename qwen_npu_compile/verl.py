@@ -43,11 +43,11 @@ Loud failures, all raised where verl imports or calls the hooked code:
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.abc
 import importlib.util
 import inspect
 import logging
-import os
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -233,8 +233,11 @@ def patch_engine(module) -> bool:
 def _patch_engine_package(package) -> None:
     """After ``verl.workers.engine.fsdp`` ran: its ``transformer_impl`` and engine subclasses exist."""
     engine_module = sys.modules.get(ENGINE_MODULE)
-    if engine_module is None:
-        raise _error(f"has no module {ENGINE_MODULE} (its {ENGINE_PACKAGE} package did not import it)")
+    if engine_module is None:  # (verl 0.7.1-0.9.1 import it from the package; a release might not)
+        try:
+            engine_module = importlib.import_module(ENGINE_MODULE)
+        except ImportError as exc:
+            raise _error(f"has no importable {ENGINE_MODULE} ({exc})") from exc
     patch_engine(engine_module)
 
 

@@ -350,6 +350,10 @@ SCENARIOS = {
     "fsdp2_fp32": {"strategy": "fsdp2", "param_dtype": "fp32", "gradient_checkpointing": False},
     # verl's defaults for the actor: bf16 mixed precision under autocast, gradient checkpointing on
     "fsdp2_bf16_checkpointing": {"strategy": "fsdp2", "param_dtype": "bf16", "gradient_checkpointing": True},
+    # a reference model: FSDPEngineConfig(forward_only=True) (bf16 weights, CPU-offloaded FSDP2 shards). Its
+    # build passes the hook, then stops on a CPU inside fully_shard (pin_memory needs an accelerator).
+    "ref_forward_only": {"strategy": "fsdp2", "param_dtype": "bf16", "gradient_checkpointing": False,
+                         "forward_only": True},
     # verl's default FSDP1 setting: refused with QWEN_NPU_COMPILE=1 before FSDP1 is called. (FSDP1 itself
     # cannot run here: verl passes sync_module_states=True, which FSDP1 allows on GPUs only; FSDP1 with
     # use_orig_params=True is trained by tests/test_fsdp.py, in verl's order, with the same maybe_compile.)
@@ -428,7 +432,7 @@ def test_verl_engine_compiles_fuses_and_matches_the_unset_run(engine_runs, scena
 @needs_verl
 def test_verl_engine_logs_the_compile_once_per_model(engine_runs):
     lines = [line for line in engine_runs["on"]["log"].splitlines() if "before FSDP wrapping" in line]
-    assert len(lines) == 2, lines  # the two scenarios that build (the refused one stops before)
+    assert len(lines) == 3, lines  # the two that train, and the reference model (the refused one stops before)
     assert all("qwen_npu: verl 0.9.1: FSDPEngineWithLMHead._build_fsdp_module: compiled 2 decoder layer(s) "
                "of Qwen2ForCausalLM" in line for line in lines), lines
     assert not [line for line in engine_runs["off"]["log"].splitlines() if "qwen_npu" in line]
@@ -444,6 +448,17 @@ def test_verl_engine_with_fsdp1_flat_params_is_refused_at_build(engine_runs):
 
 @pytest.mark.verl
 @needs_verl
+def test_verl_reference_model_build_is_compiled_before_fsdp(engine_runs):
+    off, on = engine_runs["off"]["results"]["ref_forward_only"], engine_runs["on"]["results"]["ref_forward_only"]
+    cpu_limit = "Cannot access accelerator device when none is available"
+    assert cpu_limit in off["error"] and cpu_limit in on["error"]  # fully_shard's pin_memory, with or without us
+    assert off["hook_log"] == []
+    assert on["hook_log"] == ["qwen_npu: verl 0.9.1: FSDPEngineWithLMHead._build_fsdp_module: compiled 2 decoder "
+                              "layer(s) of Qwen2ForCausalLM before FSDP wrapping"]
+
+
+@pytest.mark.verl
+@needs_verl
 def test_verl_external_lib_key_switches_it_on_too(engine_runs):
     on = engine_runs["external_lib"]["results"]["fsdp2_fp32"]
     assert "error" not in on, on.get("error")
@@ -455,10 +470,17 @@ def test_verl_external_lib_key_switches_it_on_too(engine_runs):
 @pytest.mark.verl
 @needs_verl
 def test_the_real_verl_has_the_hooked_function():
-    """The installed verl (0.9.1) has what the hook needs, and patch_engine accepts it (in a fresh process)."""
+    """The installed verl (0.9.1) has what the hook needs, and patch_engine accepts it (in a fresh process).
+
+    The actor/reference (LM head) and critic (value head) engines resolve the hooked method. (The critic's
+    build cannot run on a CPU: verl's load_valuehead_model asks for flash_attention_2.)
+    """
     code = ("import qwen_npu_compile.verl as hook, verl.workers.engine.fsdp.transformer_impl as t, verl\n"
             "assert verl.__version__ == '0.9.1', verl.__version__\n"
             "assert hook.patch_engine(t) is True and hook.patch_engine(t) is False\n"
+            "hooked = t.FSDPEngine.__dict__['_build_fsdp_module']\n"
+            "assert t.FSDPEngineWithLMHead._build_fsdp_module is hooked  # actor, reference\n"
+            "assert t.FSDPEngineWithValueHead._build_fsdp_module is hooked  # critic\n"
             "import verl.workers.engine.fsdp.fsdp_turbo_impl as turbo\n"
             "assert hasattr(turbo.FSDPTurboEngineWithLMHead._build_fsdp_module, '__wrapped__')\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("QWEN_NPU", "VERL_USE_EXTERNAL"))}

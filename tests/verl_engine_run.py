@@ -6,14 +6,15 @@ when verl is imported::
     python tests/verl_engine_run.py SCENARIOS.json OUT.json
 
 ``SCENARIOS.json`` maps a name to ``strategy`` (``fsdp2``/``fsdp``), ``use_orig_params``,
-``param_dtype`` (``fp32``/``bf16``: FSDP mixed precision, and verl's autocast dtype) and
-``gradient_checkpointing``. Each scenario builds a ``FSDPEngineWithLMHead`` from a tiny Qwen2 saved
+``param_dtype`` (``fp32``/``bf16``: FSDP mixed precision, and verl's autocast dtype),
+``gradient_checkpointing`` and ``forward_only`` (a reference model's engine). Each scenario builds a ``FSDPEngineWithLMHead`` from a tiny Qwen2 saved
 with ``save_pretrained`` (``FSDPEngine.initialize``: ``_build_module``, ``_build_fsdp_module``,
 optimizer, checkpoint manager), then trains two steps on a fixed batch of 4 sequences of different
 lengths with verl's ``sft_loss``: the first runs the three calls of ``BaseEngine.train_batch``
 (``optimizer_zero_grad``, ``forward_backward_batch``, ``optimizer_step``) so that the gradients can be
 read before the optimizer step, the second is ``train_batch`` itself. ``OUT.json`` gets, per scenario,
-the losses, gradients, state-dict keys and per-layer ``qwen_npu`` graphs, or the error raised.
+the losses, gradients, state-dict keys and per-layer ``qwen_npu`` graphs, or the error raised, and
+the hook's log lines.
 
 Set ``VERL_ENGINE_RUN_EXTERNAL_LIB=1`` to name ``qwen_npu_compile.verl`` in the model config's
 ``external_lib`` (verl's other route) instead of ``VERL_USE_EXTERNAL_MODULES``.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -146,6 +148,18 @@ def full(tensor) -> torch.Tensor:
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().float()
 
 
+class HookLog(logging.Handler):
+    """The hook's "compiled ... before FSDP wrapping" lines of the running scenario."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "before FSDP wrapping" in record.getMessage():
+            self.lines.append(record.getMessage())
+
+
 def run(settings: dict, model_dir: str) -> dict:
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
@@ -166,10 +180,11 @@ def run(settings: dict, model_dir: str) -> dict:
     )
     engine_config = FSDPEngineConfig(strategy=settings["strategy"],
                                      use_orig_params=settings.get("use_orig_params", False),
-                                     mixed_precision={"param_dtype": settings["param_dtype"]})
+                                     mixed_precision={"param_dtype": settings["param_dtype"]},
+                                     forward_only=settings.get("forward_only", False))
     engine = FSDPEngineWithLMHead(model_config, engine_config, FSDPOptimizerConfig(lr=1e-3, total_training_steps=2),
                                   CheckpointConfig())
-    engine.initialize()
+    engine.initialize()  # a reference model (forward_only) stops here on a CPU: FSDP2 pins its CPU-offloaded shards
     loss_function = functools.partial(sft_loss, None)  # sft_loss(config, model_output, data, dp_group)
     losses = []
     with engine.train_mode():
@@ -213,11 +228,15 @@ def main(spec_path: str, out_path: str) -> int:
     results = {}
     with tempfile.TemporaryDirectory(prefix="verl_tiny_qwen2_") as model_dir:
         save_tiny_qwen2(model_dir)
+        hook_log = HookLog()
+        logging.getLogger("qwen_npu_compile").addHandler(hook_log)
         for name, settings in scenarios.items():
+            hook_log.lines = []
             try:
                 results[name] = run(settings, model_dir)
             except Exception as exc:  # recorded for the test (the FSDP1 refusal is expected)
                 results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+            results[name]["hook_log"] = hook_log.lines
     with open(out_path, "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()

@@ -372,7 +372,7 @@ def ge_results(reports, status) -> dict | None:
     """torchair's off-NPU FX→GE conversion of ``reports``' graphs, or None when none was converted off-NPU.
 
     Returns:
-        ``{"torch_npu": version, "torchair": "offline", "graphs": [{"name", "kind", "qwen_npu_graph", "ops"}],
+        ``{"torch_npu": version, "torchair": "offline", "graphs": [{"name", "kind", "qwen_npu_graph", "ops", "seconds"}],
         "failures": [{"op", "error", "source", "graph", "node", "qwen_npu_graph"}]}``.
     """
     converted = [report for report in reports if report.ge is not None]
@@ -381,7 +381,8 @@ def ge_results(reports, status) -> dict | None:
     return {
         "torch_npu": converted[0].ge.torch_npu,
         "torchair": converted[0].ge.torchair,
-        "graphs": [{"name": graph.name, "kind": graph.kind, "qwen_npu_graph": report.name, "ops": dict(graph.ops)}
+        "graphs": [{"name": graph.name, "kind": graph.kind, "qwen_npu_graph": report.name, "ops": dict(graph.ops),
+                    "seconds": graph.seconds}
                    for report in converted for graph in report.ge.graphs],
         "failures": [{"op": f.op, "error": f.error, "source": f.source, "graph": f.graph, "node": f.node,
                       "qwen_npu_graph": report.name}
@@ -451,11 +452,17 @@ def print_ge(ge: dict) -> None:
         print(f"  GE conversion: ok ({len(ge['graphs'])} graphs: {graphs}; {where})")
     else:
         print(f"  GE conversion: {len(ge['failures'])} node(s) failed ({where}):")
+        from . import ge_converters
+
+        cpu_only = getattr(ge_converters, "CPU_ONLY_OPS", ())
         for failure in ge["failures"]:
-            print(f"    {failure['op']} at {failure['source']} ({failure['graph']}): {failure['error']}")
+            note = " [only in a CPU trace: on an NPU torch_npu dispatches SDPA to its own kernels]" \
+                if failure["op"] in cpu_only else ""
+            print(f"    {failure['op']} at {failure['source']} ({failure['graph']}): {failure['error']}{note}")
     for graph in ge["graphs"]:
         fused = ", ".join(f"{op} {graph['ops'][op]}" for op in FUSED_GE_OPS if op in graph["ops"])
-        print(f"  GE {graph['name']} ({graph['kind']}): {sum(graph['ops'].values())} ops; {fused or 'no fused op'}")
+        print(f"  GE {graph['name']} ({graph['kind']}): {sum(graph['ops'].values())} ops, converted in "
+              f"{graph['seconds']:.1f}s; {fused or 'no fused op'}")
 
 
 def main(argv: list[str] | None = None) -> int:

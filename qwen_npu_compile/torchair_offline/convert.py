@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -65,12 +66,15 @@ class GeGraph:
         ops: ``{GE op type: count}`` (``Data``, ``NetOutput``, ``Const`` included; not the ops made by
             nodes that failed to convert, nor their mock nodes).
         npu_ops: ``{torch_npu op: count}`` in the FX graph torchair converted (after its AOTAutograd).
+        seconds: wall time from torchair creating the GE graph to its last graph pass (node conversion
+            and torchair's GE graph passes; not its AOTAutograd trace).
     """
 
     name: str
     kind: str
     ops: dict[str, int]
     npu_ops: dict[str, int] = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
 
 
 @dataclasses.dataclass
@@ -186,6 +190,10 @@ def install_recording(fx2ge_converter) -> None:
 
         _qwen_npu_recording = True
 
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._qwen_npu_started = time.perf_counter()
+
         def parse_node(self, target, args, kwargs, meta_outputs):
             ops_before = len(self.graph.op)
             try:
@@ -223,6 +231,7 @@ def install_recording(fx2ge_converter) -> None:
                     kind="backward" if takes_tangents else "forward",
                     ops=dict(sorted(Counter(op.type for op in self.graph.op if op.name not in failed).items())),
                     npu_ops=_npu_op_counts(fx_graph) if fx_graph is not None else {},
+                    seconds=time.perf_counter() - self._qwen_npu_started,
                 )
                 if fx_graph is not None:
                     recorder.learn_sources(fx_graph)

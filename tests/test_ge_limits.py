@@ -295,3 +295,29 @@ def test_unfused_swiglu_backward_converts_with_torchair(npu_ops):
     assert report["failures"] == []
     backward = next(g["ops"] for g in report["graphs"] if g["kind"] == "backward")
     assert backward["SigmoidGrad"] == 1
+
+
+# -- the limits by graph node (for the conversion check) -----------------------------------------------
+
+
+def test_graph_violations_name_the_torchair_limits(npu_ops):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from qwen_npu_compile.npu_ops import limits
+
+    def emitted(x, cos, q, k):
+        out = torch.ops.npu.npu_rotary_mul.default(x, cos, cos, "half")
+        dx = torch.ops.npu.npu_rotary_mul_backward.default(out, x, cos, cos)[0]
+        return dx, ORTHOGONAL(x, cos, cos), torch.ops.npu.npu_fusion_attention.default(q, k, k, 4, "BNSD", scale=0.25)[0]
+
+    def graph(dtype, head_dim):
+        x, cos = torch.randn(2, 8, 4, head_dim, dtype=dtype), torch.randn(1, 8, 1, head_dim, dtype=dtype)
+        q, k = torch.randn(2, 4, 8, head_dim, dtype=dtype), torch.randn(2, 2, 8, head_dim, dtype=dtype)
+        return make_fx(emitted, tracing_mode="fake")(x, cos, q, k).graph
+
+    found = {node.name: reason for node, reason in limits.graph_violations(graph(torch.float32, 16))}
+    assert sorted(found) == ["npu_fusion_attention", "npu_rotary_mul_backward"]
+    assert "D % 64 == 0, got D=16" in found["npu_rotary_mul_backward"]
+    assert "FlashAttentionScore" in found["npu_fusion_attention"]
+    assert limits.graph_violations(graph(torch.bfloat16, 64)) == []
+    assert limits.graph_violations(graph(torch.float32, 16), downstream="aot_eager") == []

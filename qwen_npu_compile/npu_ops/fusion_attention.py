@@ -198,6 +198,42 @@ def fusion_attention_violation(
     return None
 
 
+def call_violation(
+    query,
+    key,
+    value,
+    head_num: int,
+    input_layout: str,
+    *,
+    atten_mask=None,
+    sparse_mode: int = 0,
+    keep_prob: float = 1.0,
+    softmax_layout: str = "",
+    sink=None,
+    downstream: str | None = None,
+) -> str | None:
+    """:func:`fusion_attention_violation` for the arguments of one ``npu_fusion_attention(_grad)`` call
+    (the tensors in ``input_layout``), e.g. a node of a graph handed to torchair. With
+    ``downstream="torchair"`` also: the converters of torch_npu 2.13.0/2.9.0 take neither ``sink`` nor a
+    non-empty ``softmax_layout`` (their signatures lack them).
+
+    Returns:
+        None when supported, else a one-line reason (a layout the stand-in cannot parse included).
+    """
+    try:
+        b, nq, nkv, sq, skv, d, dv = _dims(query, key, value, head_num, input_layout, "npu_fusion_attention")
+    except RuntimeError as exc:
+        return str(exc)
+    if downstream == "torchair" and (sink is not None or softmax_layout):
+        return f"the {GE_CONVERTER} takes neither sink nor softmax_layout"
+    return fusion_attention_violation(
+        (b, nq, sq, d), (b, nkv, skv, d), (b, nkv, skv, dv), (query.dtype, key.dtype, value.dtype),
+        input_layout=input_layout, head_num=head_num,
+        mask_shape=tuple(atten_mask.shape) if atten_mask is not None else None,
+        sparse_mode=sparse_mode, keep_prob=keep_prob, downstream=downstream,
+    )
+
+
 def _mask_shape_violation(shape: tuple, sparse_mode: int, batch, heads, q_len, kv_len) -> str | None:
     if sparse_mode in COMPRESSED_MASK_MODES:
         n = COMPRESSED_MASK_SIZE

@@ -1,0 +1,84 @@
+"""Every emitted op's limits, looked up by graph node: for the GE conversion check and diagnostics.
+
+Each op's limits live in its own module (one function per op, kernel and torchair converter limits
+together): :func:`~.rotary_mul.rotary_mul_violation`, :func:`~.rms_norm.rms_norm_violation`,
+:func:`~.swiglu.swiglu_violation`, :func:`~.fusion_attention.call_violation`. This module only maps a
+node of a graph (the rewritten graph, or the forward/backward graphs torchair converts) to the right
+function, with the arguments bound by the op's schema and the tensors taken from ``meta["val"]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.fx
+
+from . import fusion_attention, rms_norm, rotary_mul, swiglu
+
+
+def _rotary(backward: bool):
+    def check(a, downstream):
+        return rotary_mul.rotary_mul_violation(a["self"] if "self" in a else a["x"], a["r1"], a["r2"],
+                                               backward=backward, downstream=downstream)
+
+    return check
+
+
+def _attention(a, downstream):
+    return fusion_attention.call_violation(
+        a["query"], a["key"], a["value"], a["head_num"], a["input_layout"], atten_mask=a.get("atten_mask"),
+        sparse_mode=a.get("sparse_mode", 0), keep_prob=a.get("keep_prob", 1.0),
+        softmax_layout=a.get("softmax_layout", ""), sink=a.get("sink"), downstream=downstream,
+    )
+
+
+#: ``"namespace::op"`` -> its limit function over the schema-bound arguments and the downstream.
+CHECKS: dict[str, Callable[[dict, str | None], str | None]] = {
+    "npu::npu_rotary_mul": _rotary(backward=False),
+    "npu::npu_rotary_mul_backward": _rotary(backward=True),
+    "qwen_npu::rotary_mul_orthogonal": _rotary(backward=False),
+    "npu::npu_rms_norm": lambda a, downstream: rms_norm.rms_norm_violation(a["self"], a["gamma"], downstream=downstream),
+    "npu::npu_rms_norm_backward": lambda a, downstream: rms_norm.rms_norm_violation(
+        a["self"], a["gamma"], downstream=downstream),
+    "npu::npu_swiglu": lambda a, downstream: swiglu.swiglu_violation(a["self"], a.get("dim", -1), downstream=downstream),
+    "npu::npu_swiglu_backward": lambda a, downstream: swiglu.swiglu_violation(
+        a["self"], a.get("dim", -1), downstream=downstream),
+    "npu::npu_fusion_attention": _attention,
+    "npu::npu_fusion_attention_grad": _attention,
+}
+
+
+def node_violation(node: torch.fx.Node, downstream: str | None = "torchair") -> str | None:
+    """Why the emitted op that ``node`` calls would fail (kernel or, for torchair, GE converter), or None.
+
+    Args:
+        node: a ``call_function`` node whose arguments carry ``meta["val"]`` (FakeTensors).
+        downstream: the backend the graph goes to.
+
+    Returns:
+        None for a supported call or a node this project does not emit, else a one-line reason.
+    """
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None
+    check = CHECKS.get(target._schema.name)
+    if check is None:
+        return None
+    bound = {}
+    positional = [arg for arg in target._schema.arguments if not arg.kwarg_only]
+    for argument, value in zip(positional, node.args):
+        bound[argument.name] = value
+    bound.update(node.kwargs)
+    values = {name: (value.meta.get("val") if isinstance(value, torch.fx.Node) else value) for name, value in bound.items()}
+    return check(values, downstream)
+
+
+def graph_violations(graph: torch.fx.Graph, downstream: str | None = "torchair") -> list[tuple[torch.fx.Node, str]]:
+    """``(node, reason)`` for every call of an emitted op in ``graph`` that :func:`node_violation` refuses."""
+    found = []
+    for node in graph.nodes:
+        reason = node_violation(node, downstream)
+        if reason is not None:
+            found.append((node, reason))
+    return found

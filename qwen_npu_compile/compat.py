@@ -23,6 +23,8 @@ What differs, and how it is absorbed:
   a no-op where missing): :func:`saved_tensors_hooks_disabled`.
 * ``torch.fx.experimental.symbolic_shapes.guard_or_false`` exists since torch 2.8; torch 2.7 calls it
   ``definitely_true``: :data:`guard_or_false`.
+* ``torch._dynamo.disable`` around a compiled graph unwraps ``_torchdynamo_orig_callable`` in torch
+  2.7-2.10, so a wrapper must not carry that marker over from what it wraps: :func:`wraps_compiled`.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ __all__ = [
     "guard_or_false",
     "register_replacement",
     "saved_tensors_hooks_disabled",
+    "wraps_compiled",
 ]
 
 
@@ -182,3 +185,26 @@ def _guard_or_false():
 #: depends on an unbacked symbol. ``torch.fx.experimental.symbolic_shapes.guard_or_false`` since torch
 #: 2.8; torch 2.7 has the same semantics under the name ``definitely_true``.
 guard_or_false = _guard_or_false()
+
+
+# --------------------------------------------------------------------------------------------------
+# wrapping what a backend returns
+
+
+def wraps_compiled(compiled: Callable[..., object]) -> Callable[[Callable[..., object]], Callable[..., object]]:
+    """``functools.wraps(compiled)`` for a wrapper a backend returns around its compiled callable.
+
+    Carries the callable's attributes (``_boxed_call`` etc.: Dynamo calls the wrapper as it would call
+    ``compiled``) except Dynamo's own ``_torchdynamo_*`` markers: copied onto the wrapper, torch 2.7 to
+    2.10 ``torch._dynamo.disable`` (which Dynamo puts around every compiled graph) follows
+    ``_torchdynamo_orig_callable`` back to ``compiled`` itself and never calls the wrapper (torch 2.13
+    does not unwrap it).
+    """
+
+    def decorate(wrapper: Callable[..., object]) -> Callable[..., object]:
+        wrapper = functools.wraps(compiled)(wrapper)
+        for name in [name for name in vars(wrapper) if name.startswith("_torchdynamo_")]:
+            delattr(wrapper, name)
+        return wrapper
+
+    return decorate

@@ -51,6 +51,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from . import compat
 from .config import QwenNpuConfig, parse_bool
 from .report import SUMMARY, GraphReport
 
@@ -168,10 +169,10 @@ def _attributing(compiled, reports: tuple[GraphReport, ...]):
     """Wrap a compiled graph so that each call notes ``reports`` in the running layer's record.
 
     The wrapper forwards its arguments unchanged and carries the callable's attributes
-    (``functools.wraps``), so Dynamo calls it exactly as it would call ``compiled`` (boxed or not).
+    (``compat.wraps_compiled``), so Dynamo calls it exactly as it would call ``compiled`` (boxed or not).
     """
 
-    @functools.wraps(compiled)
+    @compat.wraps_compiled(compiled)
     def run(*args, **kwargs):
         record = _RUNNING_LAYER.get()
         if record is not None:

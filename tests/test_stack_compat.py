@@ -1,0 +1,278 @@
+"""The stack-compatibility suite: every family fused, with parity, on whichever torch x transformers runs it.
+
+CI runs this file alone in one virtual environment per supported stack (``tools/stack_matrix.py``:
+``pytest -m stack_compat``; torch 2.7.1 to 2.13.0 x transformers 4.57.6 / 5.10.4 / 5.24.0), and it is
+part of the primary suite. It uses only what every supported stack has: transformers' real Qwen2
+modeling code on a tiny random config (``conftest.tiny_qwen2``: hidden 64, 2 layers, 4 heads, 2 KV
+heads = GQA), compiled
+
+* whole-model (``torch.compile(model, backend="qwen_npu")``; on transformers 4.53-4.57 the graph
+  holds the ``torch.vmap``-built masks, which must be fused, not fallen back), and
+* per decoder layer (``qwen_npu_compile.maybe_compile``, verl's path; the masks are built eagerly
+  outside the layers),
+
+with sdpa and eager attention, bf16 training and fp32 inference, with and without left padding.
+Each case asserts exact fusion counts, no fallback, no refusal, and parity with eager: fp32 relative
+L2 error <= 1e-5 on logits and <= 1e-4 on all gradients together; bf16 as ``conftest.assert_parity``
+judges it (max-abs relative error <= 3e-2 on logits, <= 1.5e-1 per gradient). The fusion totals go
+to the junit report (``record_property("fusions", ...)``), from which the README's support table is
+generated. Nothing global is written: the compile switch is passed to ``maybe_compile`` as
+``environ``, no dump folder, and conftest resets Dynamo and the report summary around every test.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from conftest import RTOL, rel_err, tiny_qwen2
+from qwen_npu_compile import canonicalize, compat, maybe_compile
+from qwen_npu_compile.report import SUMMARY
+from qwen_npu_compile.worker import ENV_COMPILE, layer_reports
+
+pytestmark = pytest.mark.stack_compat
+
+FAMILIES = ("rms_norm", "swiglu", "rotary", "attention")
+LAYERS = 2
+SEQ, PAD = 16, 5  # PAD leading zeros in the attention mask of the second sequence
+#: One whole-model graph: RMSNorm 2 per layer + the final norm, SwiGLU 1, rotary 2 (q, k), attention 1 per layer.
+WHOLE_MODEL = {"rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS, "rotary": 2 * LAYERS, "attention": LAYERS}
+#: One decoder layer's graph (maybe_compile: the final norm is outside the layers and stays eager).
+PER_LAYER = {"rms_norm": 2, "swiglu": 1, "rotary": 2, "attention": 1}
+#: Per-layer eager attention receives the additive float mask as a graph input: its values cannot be
+#: proven to be 0 / finfo.min inside the layer's graph, so patterns/attention.py refuses it (exactly).
+PER_LAYER_EAGER_REFUSAL = "additive float mask comes from a graph input"
+MODES = {"train_bf16": (True, torch.bfloat16), "infer_fp32": (False, torch.float32)}
+
+
+def _tokens(seq: int = SEQ, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _left_padding(seq: int = SEQ, pad: int = PAD) -> torch.Tensor:
+    mask = torch.ones(2, seq, dtype=torch.long)
+    mask[1, :pad] = 0
+    return mask
+
+
+def _run(model, runner, input_ids, attention_mask, train: bool):
+    """Forward (and LM-loss backward); ``(fp32 logits of real tokens, {param: fp32 grad})``.
+
+    With left padding, the logits of padded query rows are left out of the comparison and of the
+    loss (labels -100 where the row a label is predicted from is padding; HF shifts labels by one).
+    Those rows are fully masked: HF's eager softmax gives them the mean of V, SDPA and
+    npu_fusion_attention give 0 (issue #10 item 4); real tokens never attend to padding.
+    """
+    labels = input_ids
+    rows = torch.ones_like(input_ids, dtype=torch.bool)
+    if attention_mask is not None:
+        rows = attention_mask.bool()
+        row_before = torch.cat([torch.zeros_like(rows[:, :1]), rows[:, :-1]], dim=1)
+        labels = input_ids.masked_fill(~(rows & row_before), -100)
+    model.zero_grad(set_to_none=True)
+    with torch.set_grad_enabled(train):
+        out = runner(input_ids=input_ids, attention_mask=attention_mask, labels=labels if train else None)
+        if train:
+            out.loss.backward()
+    grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach().float()[rows], grads
+
+
+def _rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def _assert_parity(actual, expected, train: bool, dtype) -> None:
+    (logits, grads), (eager_logits, eager_grads) = actual, expected
+    if train:
+        assert set(grads) == set(eager_grads) and grads
+    if dtype == torch.float32:
+        assert _rel_l2(logits, eager_logits) <= 1e-5, _rel_l2(logits, eager_logits)
+        if train:
+            names = sorted(grads)
+            flat = torch.cat([grads[n].flatten() for n in names])
+            eager_flat = torch.cat([eager_grads[n].flatten() for n in names])
+            assert _rel_l2(flat, eager_flat) <= 1e-4, _rel_l2(flat, eager_flat)
+    else:  # half precision: as conftest.assert_parity judges it
+        assert rel_err(logits, eager_logits) <= RTOL[dtype], rel_err(logits, eager_logits)
+        if train:
+            worst = max(rel_err(grads[n], eager_grads[n]) for n in grads)
+            assert worst <= 5 * RTOL[dtype], worst
+
+
+def _assert_clean(report) -> None:
+    assert report.fallback is None, report.fallback
+    assert [r for r in report.refused if r.family in FAMILIES] == [], report.refused
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no_padding", "left_padding"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_whole_model(attn, mode, padded, record_property):
+    train, dtype = MODES[mode]
+    model = tiny_qwen2(dtype, attn=attn).train(train)
+    input_ids, mask = _tokens(), _left_padding() if padded else None
+    expected = _run(model, model, input_ids, mask, train)
+    actual = _run(model, torch.compile(model, backend="qwen_npu"), input_ids, mask, train)
+
+    reports = list(SUMMARY.graphs)
+    totals = {f: sum(r.fusions.get(f, 0) for r in reports) for f in FAMILIES}
+    record_property("fusions", json.dumps(totals))
+    assert len(reports) == 1, [r.name for r in reports]
+    _assert_clean(reports[0])
+    assert totals == WHOLE_MODEL
+    _assert_parity(actual, expected, train, dtype)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no_padding", "left_padding"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_per_layer(attn, mode, padded, record_property):
+    train, dtype = MODES[mode]
+    model = tiny_qwen2(dtype, attn=attn).train(train)
+    input_ids, mask = _tokens(), _left_padding() if padded else None
+    expected = _run(model, model, input_ids, mask, train)
+    compiled = maybe_compile(model, environ={ENV_COMPILE: "1"})
+    assert compiled == [f"model.layers.{i}" for i in range(LAYERS)]
+    actual = _run(model, model, input_ids, mask, train)
+
+    records = layer_reports(model)
+    assert sorted(records) == list(compiled)
+    totals = dict.fromkeys(FAMILIES, 0)
+    want = dict(PER_LAYER, attention=0) if attn == "eager" else PER_LAYER
+    for name, record in records.items():
+        assert record.calls == {"compiled": 1, "checkpointed": 0, "eager": 0}, (name, record.calls)
+        assert len(record.reports) == 1, (name, [r.name for r in record.reports])
+        report = record.reports[0]
+        assert report.fallback is None, report.fallback
+        assert {f: report.fusions.get(f, 0) for f in FAMILIES} == want, (name, report.fusions, report.refused)
+        refused = [r for r in report.refused if r.family in FAMILIES]
+        if attn == "eager":
+            assert [r.family for r in refused] == ["attention"], refused
+            assert refused[0].reason.startswith(PER_LAYER_EAGER_REFUSAL), refused[0].reason
+        else:
+            assert refused == [], refused
+        for family in FAMILIES:
+            totals[family] += report.fusions.get(family, 0)
+    record_property("fusions", json.dumps(totals))
+    _assert_parity(actual, expected, train, dtype)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_whole_model_fp32_training_with_left_padding(attn):
+    """fp32 gradients through the masks (on 4.5x: the desugared vmap regions) meet the fp32 bound."""
+    model = tiny_qwen2(torch.float32, attn=attn).train()
+    input_ids, mask = _tokens(), _left_padding()
+    expected = _run(model, model, input_ids, mask, True)
+    actual = _run(model, torch.compile(model, backend="qwen_npu"), input_ids, mask, True)
+    (report,) = SUMMARY.graphs
+    _assert_clean(report)
+    assert report.fusions == WHOLE_MODEL
+    _assert_parity(actual, expected, True, torch.float32)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_whole_model_new_lengths_and_paddings(attn):
+    """A new length recompiles once with a symbolic sequence length (Dynamo's automatic dynamic
+    shapes); that graph fuses everything too and stays exact for every later length and padding."""
+    model = tiny_qwen2(torch.float32, attn=attn).eval()
+    compiled = torch.compile(model, backend="qwen_npu")
+    for seq, pad in [(16, 5), (24, 3), (11, 0), (20, 9)]:
+        input_ids, mask = _tokens(seq, seed=seq), _left_padding(seq, pad)
+        _assert_parity(_run(model, compiled, input_ids, mask, False), _run(model, model, input_ids, mask, False),
+                       False, torch.float32)  # fmt: skip
+    reports = list(SUMMARY.graphs)
+    assert len(reports) == 2, [r.name for r in reports]  # the static first graph, then one symbolic graph
+    for report in reports:
+        _assert_clean(report)
+        assert report.fusions == WHOLE_MODEL
+
+
+# --- torch.vmap regions and retrace failures, independent of the transformers version --------------
+
+
+class VmapNorm(torch.nn.Module):
+    """An RMSNorm whose input is offset by a nested-vmap-built tensor (as transformers 4.5x builds masks)."""
+
+    def __init__(self, hidden: int = 64) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(hidden) + 0.5)
+
+    def forward(self, x):
+        rows = torch.arange(x.shape[-2])
+        cols = torch.arange(x.shape[-1])
+        table = torch.vmap(torch.vmap(lambda r, c: (r * 3 + c) % 5 == 0, in_dims=(None, 0)), in_dims=(0, None))(rows, cols)
+        x = x + table.to(x.dtype)
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + 1e-6))
+
+
+def test_vmap_regions_are_desugared_and_fused():
+    module = VmapNorm()
+    x = torch.randn(2, 8, 64)
+    expected = module(x)
+    out = torch.compile(module, backend="qwen_npu")(x)
+    (report,) = SUMMARY.graphs
+    assert report.fallback is None and report.fusions["rms_norm"] == 1
+    assert _rel_l2(out.detach(), expected.detach()) <= 1e-6
+    assert compat.functorch_depth() == 0
+
+
+def test_a_failed_retrace_compiles_unfused_with_one_warning(monkeypatch, caplog):
+    def fail(self, node):
+        raise NotImplementedError("simulated retrace failure")
+
+    monkeypatch.setattr(canonicalize._Retracer, "run_node", fail)
+    module = VmapNorm()
+    x = torch.randn(2, 8, 64)
+    expected = module(x)
+    with caplog.at_level(logging.WARNING, logger="qwen_npu_compile"):
+        out = torch.compile(module, backend="qwen_npu")(x)
+    (report,) = SUMMARY.graphs
+    assert report.fallback.startswith("the pre-dispatch retrace failed: NotImplementedError: simulated retrace failure")
+    assert report.fusions == dict.fromkeys(FAMILIES, 0)
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING and r.name == "qwen_npu_compile"]
+    assert len(warnings) == 1 and "compiling the graph unfused" in warnings[0].getMessage()
+    torch.testing.assert_close(out, expected)
+    assert compat.functorch_depth() == 0
+
+
+def test_a_failed_vmap_region_trace_leaves_no_functorch_level(monkeypatch):
+    # the region's trace dies between _vmap_increment_nesting and _vmap_decrement_nesting
+    def fail_after_enter(*args, **kwargs):
+        raise RuntimeError("simulated failure inside a vmap region")
+
+    module = VmapNorm()
+    x = torch.randn(2, 8, 64)
+    expected = module(x)
+    original = torch.fx.Interpreter.run_node
+
+    def run_node(self, node):
+        result = original(self, node)
+        if type(self) is torch.fx.Interpreter and node.op == "call_function" and node.target in compat.VMAP_ENTER:
+            fail_after_enter()
+        return result
+
+    monkeypatch.setattr(torch.fx.Interpreter, "run_node", run_node)
+    out = torch.compile(module, backend="qwen_npu")(x)
+    (report,) = SUMMARY.graphs
+    assert report.fallback.startswith("tracing the torch.vmap region at"), report.fallback
+    assert "simulated failure inside a vmap region" in report.fallback
+    assert compat.functorch_depth() == 0
+    torch.testing.assert_close(out, expected)
+
+
+def test_restart_analysis_is_not_swallowed(monkeypatch):
+    from qwen_npu_compile.backend import qwen_npu_backend
+
+    def restart(self, node):
+        raise torch._dynamo.exc.RestartAnalysis("recapture")
+
+    monkeypatch.setattr(canonicalize._Retracer, "run_node", restart)
+    gm = torch.fx.symbolic_trace(lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    with pytest.raises(torch._dynamo.exc.RestartAnalysis):
+        qwen_npu_backend(gm, [torch.randn(2, 8)])
+    assert SUMMARY.graphs == []

@@ -301,6 +301,8 @@ class _RunAfterExec(importlib.abc.Loader):
         self.action(module)
 
     def __getattr__(self, name):  # get_source, get_resource_reader, ... of the real loader
+        if name == "loader":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
         return getattr(self.loader, name)
 
 

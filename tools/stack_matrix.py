@@ -162,7 +162,10 @@ FAMILIES = ("rms_norm", "swiglu", "rotary", "attention")
 
 
 def _scope(case_id: str) -> str:
-    return "per-layer" if "per_layer" in case_id or "per-layer" in case_id else "whole-model"
+    """``whole-model`` / ``per-layer`` for ``test_whole_model*`` / ``test_per_layer*``, else ``other``."""
+    if case_id.startswith("test_per_layer"):
+        return "per-layer"
+    return "whole-model" if case_id.startswith("test_whole_model") else "other"
 
 
 def render_table(records: list[dict]) -> str:
@@ -173,24 +176,25 @@ def render_table(records: list[dict]) -> str:
     """
     lines = [
         TABLE_BEGIN,
-        "| torch | transformers | who runs it | whole-model | per-layer | families fused (every case) |",
-        "|---|---|---|---|---|---|",
+        "| torch | transformers | who runs it | whole-model | per-layer | other checks | fusions per passed case |",
+        "|---|---|---|---|---|---|---|",
     ]
     for record in records:
         cells = []
-        for scope in ("whole-model", "per-layer"):
+        for scope in ("whole-model", "per-layer", "other"):
             cases = [c for c in record["cases"] if _scope(c["id"]) == scope]
             passed = sum(c["outcome"] == "passed" for c in cases)
             cells.append(f"{passed}/{len(cases)} pass" if cases else "not run")
+        counted = [c for c in record["cases"] if "fusions" in c]
         fused = []
         for family in FAMILIES:
-            got = [c["fusions"][family] for c in record["cases"] if c["outcome"] == "passed" and "fusions" in c
-                   and family in c["fusions"]]
-            all_ok = record["cases"] and all(c["outcome"] == "passed" for c in record["cases"])
-            fused.append(f"{family} {'✓' if got and all_ok else '✗'}")
+            counts = sorted({c["fusions"].get(family, 0) for c in counted if c["outcome"] == "passed"})
+            failed = any(c["outcome"] != "passed" for c in counted)
+            fused.append(f"{family} {'/'.join(map(str, counts)) or '—'}{' ✗' if failed else ''}")
+        fused.append(f"in {sum(c['outcome'] == 'passed' for c in counted)}/{len(counted)} cases")
         if "error" in record:
-            cells = [f"error: {record['error'][:60]}", "—"]
-        lines.append(f"| {record['torch']} | {record['transformers']} | {record['who']} | {cells[0]} | {cells[1]} | "
+            cells = [f"error: {record['error'][:60]}", "—", "—"]
+        lines.append(f"| {record['torch']} | {record['transformers']} | {record['who']} | {' | '.join(cells)} | "
                      f"{', '.join(fused)} |")
     lines.append(TABLE_END)
     return "\n".join(lines)

@@ -373,7 +373,8 @@ def ge_results(reports, status) -> dict | None:
 
     Returns:
         ``{"torch_npu": version, "torchair": "offline", "graphs": [{"name", "kind", "qwen_npu_graph", "ops", "seconds"}],
-        "failures": [{"op", "error", "source", "graph", "node", "qwen_npu_graph"}]}``.
+        "failures": [{"op", "error", "source", "graph", "node", "kind", "qwen_npu_graph"}]}``; ``kind`` is
+        ``"converter"`` (torchair's converter raised) or ``"limit"`` (converted, but breaks the op's limits).
     """
     converted = [report for report in reports if report.ge is not None]
     if not converted:
@@ -385,7 +386,7 @@ def ge_results(reports, status) -> dict | None:
                     "seconds": graph.seconds}
                    for report in converted for graph in report.ge.graphs],
         "failures": [{"op": f.op, "error": f.error, "source": f.source, "graph": f.graph, "node": f.node,
-                      "qwen_npu_graph": report.name}
+                      "kind": f.kind, "qwen_npu_graph": report.name}
                      for report in converted for f in report.ge.failures],
     }
 
@@ -451,7 +452,7 @@ def print_ge(ge: dict) -> None:
     if not ge["failures"]:
         print(f"  GE conversion: ok ({len(ge['graphs'])} graphs: {graphs}; {where})")
     else:
-        print(f"  GE conversion: {len(ge['failures'])} node(s) failed ({where}):")
+        print(f"  GE conversion: {len(ge['failures'])} node(s) failed to convert or break a GE limit ({where}):")
         from . import ge_converters
 
         cpu_only = getattr(ge_converters, "CPU_ONLY_OPS", ())

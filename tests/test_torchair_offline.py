@@ -70,10 +70,11 @@ def test_no_network_and_no_wheel_is_a_clear_error(tmp_path):
 
 
 def test_check_without_torchair_exits_2_before_building(tmp_path, monkeypatch, capsys):
-    for key, value in _offline_pip_env(tmp_path / "cache").items():
-        monkeypatch.setenv(key, value)
-    for key in [key for key in os.environ if key.startswith("PIP_") and key not in _offline_pip_env(tmp_path)]:
+    offline = _offline_pip_env(tmp_path / "cache")
+    for key in [key for key in os.environ if key not in offline]:
         monkeypatch.delenv(key)
+    for key, value in offline.items():
+        monkeypatch.setenv(key, value)
     assert cli.main(["check", "qwen2.5-0.5b", "--layers", "1", "--downstream", "torchair"]) == 2
     captured = capsys.readouterr()
     assert "could not be obtained" in captured.err and "building" not in captured.out
@@ -258,7 +259,9 @@ def test_check_converts_a_fused_inference_graph(simulated_npu_ops, tiny_head_dim
 UNCONVERTIBLE_MODEL = '''
 import json, sys
 import torch
-from qwen_npu_compile import get_reports
+from qwen_npu_compile import ensure_npu_ops, get_reports
+
+ensure_npu_ops()
 
 @torch.library.custom_op("qwen_npu_test::opaque_scale", mutates_args=())
 def opaque_scale(x: torch.Tensor) -> torch.Tensor:
@@ -275,7 +278,10 @@ class Toy(torch.nn.Module):
 
     def forward(self, x):
         y = self.proj(x).relu()
-        return opaque_scale(y) + 1  # LINE_OF_THE_OP
+        z = opaque_scale(y) + 1  # LINE_OF_THE_OP
+        q = z.reshape(1, 4, 16)  # fp32 attention: converts to FlashAttentionScore, which takes fp16/bf16 only
+        attention = torch.ops.npu.npu_fusion_attention.default(q, q, q, 1, "BSH", scale=0.25)[0]  # LINE_OF_THE_LIMIT
+        return attention.reshape(4, 16)
 
 model = Toy()
 compiled = torch.compile(model, backend="qwen_npu", options={
@@ -292,19 +298,23 @@ print(json.dumps(report.as_dict()["ge"]))
 def test_unconvertible_node_is_reported_with_op_and_model_source_line(simulated_npu_ops, tmp_path):
     script = tmp_path / "modeling_toy.py"
     script.write_text(textwrap.dedent(UNCONVERTIBLE_MODEL))
-    line = next(number for number, text in enumerate(UNCONVERTIBLE_MODEL.splitlines(), start=1) if "LINE_OF_THE_OP" in text)
+    lines = {marker: number for number, text in enumerate(UNCONVERTIBLE_MODEL.splitlines(), start=1)
+             for marker in ("LINE_OF_THE_OP", "LINE_OF_THE_LIMIT") if marker in text}
     done = _run([str(script), str(tmp_path / "dump")], cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ge = json.loads(done.stdout.strip().splitlines()[-1])
-    (failure,) = ge["failures"]
-    assert failure["op"] == "qwen_npu_test.opaque_scale.default"
-    assert failure["source"] == f"modeling_toy.py:{line}"
-    assert "not registered" in failure["error"] or "GE IR" in failure["error"] or "AscendIR" in failure["error"], failure
+    converter, limit = ge["failures"]
+    assert (converter["op"], converter["kind"]) == ("qwen_npu_test.opaque_scale.default", "converter")
+    assert converter["source"] == f"modeling_toy.py:{lines['LINE_OF_THE_OP']}"
+    assert "GE IR" in converter["error"] or "AscendIR" in converter["error"] or "not registered" in converter["error"]
+    assert (limit["op"], limit["kind"]) == ("npu.npu_fusion_attention.default", "limit")
+    assert limit["source"] == f"modeling_toy.py:{lines['LINE_OF_THE_LIMIT']}"
+    assert limit["error"].startswith("limit: ") and "float32" in limit["error"], limit
     (graph,) = ge["graphs"]
-    assert graph["kind"] == "forward" and graph["ops"].get("Relu") == 1
+    assert graph["kind"] == "forward" and graph["ops"].get("Relu") == 1 and graph["ops"].get("FlashAttentionScore") == 1
     assert not any("opaque" in op for op in graph["ops"])  # the failed node's mock op is not counted
     summary = json.loads((tmp_path / "dump" / "summary.json").read_text())
-    assert summary["graphs"][0]["ge"]["failures"][0]["source"] == failure["source"]
+    assert summary["graphs"][0]["ge"]["failures"] == ge["failures"]
     assert list((tmp_path / "dump" / summary["graphs"][0]["name"] / "torchair").glob("*.pbtxt"))
 
 

@@ -10,7 +10,9 @@ subclass that, for graphs whose ``CompilerConfig`` was registered with :func:`wa
   torchair's own mock node (``_create_mock_node_for_op``), so one run reports every blocker;
 - when the GE graph is complete, records its op types and the torch_npu ops of the FX graph.
 
-Graphs of unregistered configs convert exactly as torchair does (exceptions propagate).
+Graphs of unregistered configs convert exactly as torchair does (exceptions propagate). A converted
+node that breaks its op's kernel or converter limits (``npu_ops/limits.py``) is recorded too
+(``kind="limit"``): it would build a GE graph that cannot run.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ class GeFailure:
         source: ``file:line`` of the model code (:func:`qwen_npu_compile.fusion.node_source`).
         graph: the GE graph's name (``graph_<n>``).
         node: the FX node's name.
+        kind: ``"converter"`` (torchair's converter raised) or ``"limit"`` (the node converted but breaks a
+            kernel or GE converter limit of the op, :func:`qwen_npu_compile.npu_ops.limits.node_violation`,
+            e.g. fp32 q/k/v for FlashAttentionScore, which takes fp16/bf16 only).
     """
 
     op: str
@@ -54,6 +59,7 @@ class GeFailure:
     source: str
     graph: str
     node: str
+    kind: str = "converter"
 
 
 @dataclasses.dataclass
@@ -167,6 +173,18 @@ def _nearest_user_source(node: torch.fx.Node, depth: int = SOURCE_SEARCH_DEPTH) 
     return UNKNOWN
 
 
+def _limit_violations(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, str]]:
+    """The emitted ops of ``graph`` that break their kernel or torchair converter limits (the one home of
+    each op's limits, ``npu_ops/<op>.py``, through :func:`qwen_npu_compile.npu_ops.limits.graph_violations`)."""
+    try:
+        from qwen_npu_compile.npu_ops.limits import graph_violations
+
+        return graph_violations(graph, downstream="torchair")
+    except Exception as exc:  # a limit function that cannot read this graph must not hide the conversion result
+        log.warning("qwen_npu: the npu op limits could not be checked on %s: %s: %s", graph, type(exc).__name__, exc)
+        return []
+
+
 def _short_error(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -235,6 +253,14 @@ def install_recording(fx2ge_converter) -> None:
                 )
                 if fx_graph is not None:
                     recorder.learn_sources(fx_graph)
+                    failed_nodes = {f.node for f in recorder.results.failures if f.graph == self.graph.name}
+                    for node, reason in _limit_violations(fx_graph):
+                        if node.name not in failed_nodes:
+                            recorder.results.failures.append(GeFailure(
+                                op=str(node.target), error=f"limit: {reason}", source=recorder.source(node),
+                                graph=self.graph.name, node=node.name, kind="limit"))
+                            log.warning("qwen_npu: %s (%s) at %s converted to GE but cannot run: %s", node.name,
+                                        node.target, recorder.source(node), reason)
                 recorder.results.graphs.append(graph)
                 if recorder.on_graph is not None:
                     recorder.on_graph(graph)

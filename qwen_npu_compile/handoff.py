@@ -11,10 +11,12 @@ In both cases this project's GE converters are registered before any conversion.
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 import torch.fx
 
+from . import compat
 from .config import QwenNpuConfig
 from .report import GraphReport, npu_op_counts, write_graph_dump, write_report
 
@@ -38,6 +40,7 @@ def hand_off(downstream: str, gm: torch.fx.GraphModule, example_inputs, report: 
         backend = aot_autograd(
             fw_compiler=_recording_compiler("forward", report, config),
             bw_compiler=_recording_compiler("backward", report, config),
+            partition_fn=compat.default_partition,  # AOTAutograd's default, made to work on torch 2.9
         )
         return backend(gm, example_inputs)
     if downstream == "inductor":
@@ -88,12 +91,18 @@ def torchair_hand_off(gm: torch.fx.GraphModule, example_inputs, report: GraphRep
     register_converters()
 
     compiler_config = torchair_compiler_config(torchair.CompilerConfig(), config, report, offline=offline is not None)
+    backend = torchair.get_npu_backend(compiler_config=compiler_config)
     if offline is not None:
         from .torchair_offline import GeResults, watch
 
         report.ge = GeResults(torch_npu=offline.torch_npu_version, torchair="offline", mode=config.torchair_mode)
         watch(compiler_config, report.ge, on_graph=lambda graph: _after_ge_graph(report, config, graph))
-    return torchair.get_npu_backend(compiler_config=compiler_config)(gm, example_inputs)
+        # With run_eagerly torchair hands AOTAutograd the FX graph itself (npu_fx_compiler._gen_compiled_gm),
+        # an unboxed callable AOTAutograd warns about and runs correctly. The filter goes in after
+        # get_npu_backend, which puts torchair's own "once" filter for every UserWarning in front.
+        warnings.filterwarnings("ignore", message="Your compiler for AOTAutograd is returning a function that "
+                                "doesn't take boxed arguments", category=UserWarning)
+    return backend(gm, example_inputs)
 
 
 def check_offline_mode(config: QwenNpuConfig) -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import warnings
 
 import torch
 
@@ -61,10 +60,6 @@ def load_offline_torchair() -> OfflineTorchair:
     """
     sources = obtain_sources(torch.__version__)
     offline = import_torchair(sources)
-    # With debug.run_eagerly torchair hands AOTAutograd the FX graph itself (npu_fx_compiler
-    # _gen_compiled_gm), which AOTAutograd then warns about once per graph; it runs correctly.
-    warnings.filterwarnings("ignore", message="Your compiler for AOTAutograd is returning a function that doesn't "
-                            "take boxed arguments", category=UserWarning)
     install_recording(sys.modules["torchair._ge_concrete_graph.fx2ge_converter"])
     from qwen_npu_compile.ge_converters import register_converters
 

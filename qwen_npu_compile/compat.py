@@ -25,6 +25,8 @@ What differs, and how it is absorbed:
   ``definitely_true``: :data:`guard_or_false`.
 * ``torch._dynamo.disable`` around a compiled graph unwraps ``_torchdynamo_orig_callable`` in torch
   2.7-2.10, so a wrapper must not carry that marker over from what it wraps: :func:`wraps_compiled`.
+* AOTAutograd's ``default_partition`` asserts on 2.9.0 on the scalar-tensorification nodes that lack
+  ``tensor_meta`` (dynamic shapes, training); 2.13.0 accepts them: :func:`default_partition`.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ __all__ = [
     "VMAP_ENTER",
     "VMAP_EXIT",
     "VMAP_LAZY_LOAD",
+    "default_partition",
     "functorch_depth",
     "functorch_levels_restored",
     "guard_or_false",
@@ -208,3 +211,27 @@ def wraps_compiled(compiled: Callable[..., object]) -> Callable[[Callable[..., o
         return wrapper
 
     return decorate
+
+
+# --------------------------------------------------------------------------------------------------
+# AOTAutograd
+
+
+def default_partition(joint_module: torch.fx.GraphModule, joint_inputs, **kwargs):
+    """AOTAutograd's ``default_partition``, after giving every tensor-valued node its ``tensor_meta``.
+
+    Under ``dynamic=True`` a float module attribute (transformers' rotary ``attention_scaling``) is a
+    graph input that AOTAutograd tensorifies (``tensorify_python_scalars``), inserting
+    ``prims.convert_element_type`` nodes that carry ``val`` but no ``tensor_meta``. torch 2.9.0's
+    ``default_partition`` takes such a node for a tuple and asserts (``partitioners.py``: "we can't save
+    tuple of tensor values"); torch 2.13.0 no longer asserts. The metadata is what make_fx records for
+    every other tensor node, so the partition is the one torch intends.
+    """
+    from torch._functorch.partitioners import default_partition as partition
+    from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+    for node in joint_module.graph.nodes:
+        value = node.meta.get("val")
+        if node.op == "call_function" and "tensor_meta" not in node.meta and isinstance(value, torch.Tensor):
+            node.meta["tensor_meta"] = _extract_tensor_metadata(value)
+    return partition(joint_module, joint_inputs, **kwargs)

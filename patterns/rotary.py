@@ -265,8 +265,7 @@ def _check_bsnd(match) -> str | None:
     cos, sin = meta_val(match.kwargs["cos"]), meta_val(match.kwargs["sin"])
     if not all(isinstance(t, torch.Tensor) for t in (x, cos, sin)):
         return "x, cos or sin is not a tensor"
-    if not all(r.dim() == 4 and guard_or_false(r.shape[1] == 1)
-               for r in (cos, sin)):
+    if not all(r.dim() == 4 and guard_or_false(r.shape[1] == 1) for r in (cos, sin)):
         return f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)} is not unsqueezed at dim 1 ([B|1, 1, S, D])"
     return _check_fused(x, _bsnd_r(cos), _bsnd_r(sin), "BSND", match.kwargs["x_bsnd"], match.kwargs["cos"],
                         match.kwargs["sin"])

@@ -40,7 +40,8 @@ Counting rules (:func:`classify`, :func:`node_bytes`):
   SDPA lowers to ``_scaled_dot_product_flash_attention_for_cpu``, a stand-in for whatever the NPU's
   SDPA dispatches to.
 * *Glue*: the copies a rewrite or a patch adds for a fused kernel: a ``cat``/``clone``/``_to_copy``/
-  ``logical_not`` whose output feeds a fused npu op (through views), or a ``_to_copy`` of a fused op's
+  ``logical_not`` whose output feeds a fused npu op (through views), a ``cat`` feeding a matmul that
+  feeds a fused op (SwiGLU's in-graph ``cat([w_gate, w_up])``), or a ``_to_copy`` of a fused op's
   output (e.g. npu_rms_norm_backward's fp32 dgamma cast to the weight dtype).
 * *Fused lower bound* (per layer): the qwen_npu graph's non-matmul bytes without its glue: each
   fused op reads its inputs once and writes its outputs once, and only the work no family covers
@@ -264,6 +265,22 @@ def _feeds_fused(node: torch.fx.Node) -> bool:
     return _reaches_fused(node.users, lambda n: n.users)
 
 
+def _feeds_fused_through_matmul(node: torch.fx.Node) -> bool:
+    """Whether ``node`` feeds (through views) a matmul whose output feeds (through views) a fused op:
+    the in-graph weight concatenation of the merged-weight SwiGLU."""
+    stack, seen = list(node.users), set()
+    while stack:
+        user = stack.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        if classify(user) == "free":
+            stack.extend(user.users)
+        elif classify(user) == "matmul" and _feeds_fused(user):
+            return True
+    return False
+
+
 def _fed_by_fused(node: torch.fx.Node) -> bool:
     return _reaches_fused(_node_args(node), _node_args)
 
@@ -272,11 +289,14 @@ def is_glue(node: torch.fx.Node) -> bool:
     """Whether ``node`` is a copy made for a fused npu op (see the module docstring).
 
     Input glue: a cat/clone/_to_copy/logical_not whose output feeds a fused op (through views).
-    Output glue: a ``_to_copy`` (dtype cast) of a fused op's output. A clone *of* a fused op's output
+    Weight glue: a ``cat`` feeding a matmul whose output feeds a fused op (the merged gate/up weight
+    of the SwiGLU rewrite). Output glue: a ``_to_copy`` (dtype cast) of a fused op's output. A clone *of* a fused op's output
     that feeds something else (repeat_kv after a fused rotary) is ordinary work, not glue.
     """
     if classify(node) != "vector" or node.target._schema.name not in GLUE_OP_NAMES:
         return False
+    if node.target._schema.name == "aten::cat" and _feeds_fused_through_matmul(node):
+        return True  # weight glue: cat([w_gate, w_up]) -> mm -> npu_swiglu
     return _feeds_fused(node) or (node.target._schema.name == "aten::_to_copy" and _fed_by_fused(node))
 
 

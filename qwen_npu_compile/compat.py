@@ -60,11 +60,13 @@ __all__ = [
 # Inductor's pattern matcher
 
 
-@functools.cache
-def _register_replacement_parameters() -> frozenset[str]:
-    from torch._inductor import pattern_matcher as pm
-
-    return frozenset(inspect.signature(pm.register_replacement).parameters)
+def _register_replacement_parameters(register: Callable[..., object]) -> frozenset[str] | None:
+    """The keyword names ``register`` accepts; None when it takes ``**kwargs`` (a wrapper: trusted to
+    forward them). Signatures follow ``functools.wraps`` to the wrapped function."""
+    parameters = inspect.signature(register).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return None
+    return frozenset(parameters)
 
 
 def register_replacement(
@@ -88,23 +90,24 @@ def register_replacement(
         RuntimeError: a keyword this package relies on (``search_fn_pattern`` when given,
             ``skip_duplicates``) is missing from the installed torch, i.e. torch older than 2.7.
     """
-    accepted = _register_replacement_parameters()
+    from torch._inductor import pattern_matcher as pm
+
+    accepted = _register_replacement_parameters(pm.register_replacement)
     wanted = {"skip_duplicates": True, "pattern_name": name}
     if search_fn_pattern is not None:
         wanted["search_fn_pattern"] = search_fn_pattern
-    required = {"skip_duplicates", "search_fn_pattern"} & set(wanted)
-    missing = sorted(required - accepted)
-    if missing:
-        raise RuntimeError(
-            f"qwen_npu: torch {torch.__version__}'s register_replacement has no {', '.join(missing)}; "
-            "this package needs torch 2.7 or newer"
-        )
-    kwargs = {key: value for key, value in wanted.items() if key in accepted}
-    from torch._inductor import pattern_matcher as pm
-
+    if accepted is not None:
+        required = {"skip_duplicates", "search_fn_pattern"} & set(wanted)
+        missing = sorted(required - accepted)
+        if missing:
+            raise RuntimeError(
+                f"qwen_npu: torch {torch.__version__}'s register_replacement has no {', '.join(missing)}; "
+                "this package needs torch 2.7 or newer"
+            )
+        wanted = {key: value for key, value in wanted.items() if key in accepted}
     pm.register_replacement(
         search_fn, replace_fn, list(example_inputs), trace_fn, pass_dict,
-        extra_check=extra_check, scalar_workaround=dict(scalar_workaround), **kwargs,
+        extra_check=extra_check, scalar_workaround=dict(scalar_workaround), **wanted,
     )  # fmt: skip
 
 

@@ -28,9 +28,11 @@ assert tuple(FAMILIES) == ALL_FAMILIES, "config.ALL_FAMILIES must list the famil
 
 @functools.cache
 def get_family_pass(name: str) -> FamilyPass:
-    """The process-wide pass of family ``name`` (its patterns are registered once, at first apply).
+    """The process-wide pass of family ``name`` (its patterns are registered once, at first apply): the
+    family's ``pass_class`` (a :class:`FamilyPass` subclass, e.g. rms_norm's add-fusing pass) or FamilyPass.
 
     Raises:
         KeyError: ``name`` is not in :data:`FAMILIES`.
     """
-    return FamilyPass(FAMILIES[name]())
+    family = FAMILIES[name]
+    return getattr(family, "pass_class", FamilyPass)(family())

@@ -29,17 +29,43 @@ Constraints (torch_npu 2.13.0 ``npu_rms_norm`` docs, ``shared/reference/npu-op-c
 The kernel returns x's dtype, while HF promotes ``fp32 weight * bf16`` to fp32: the replacement casts
 the result to the promoted dtype (the kernel computes in fp32 and rounds once, about 1 ulp from HF,
 which rounds before the weight multiply). The anchor is ``aten.rsqrt``.
+
+Inference graphs (:func:`graph_needs_autograd` is False): after the pattern pass, a fused norm whose
+input is the residual add ``x1 + x2`` becomes ``npu_add_rms_norm`` (:func:`fuse_residual_adds`)::
+
+    add = aten.add.Tensor(residual, linear)                  # also the next residual
+    npu_rms_norm = npu.npu_rms_norm.default(add, weight, eps)
+    ->
+    npu_add_rms_norm = npu.npu_add_rms_norm.default(residual, linear, weight, eps)
+    getitem = operator.getitem(npu_add_rms_norm, 0)          # the norm; [2] = the sum, the residual
+
+It saves one write and one read of the residual stream per norm (the add's output is written once,
+by the fused kernel, and never re-read). The op has no backward, so it is never emitted where autograd
+may run. These norms still count as ``rms_norm`` fusions (2L+1 per model whatever the graph): in a
+Qwen2 inference graph 2L of them take the add form (all but layer 0's input norm, whose input is the
+embedding); per-layer graphs get 1 of 2 (the input norm's input is the graph input).
+
+Whether a graph needs autograd is decided as Dynamo guards it: grad mode at compile time
+(``torch.no_grad()``/``inference_mode`` disable it; Dynamo recompiles when it changes) and
+``requires_grad`` of the graph inputs (guarded per input). A graph with grad enabled and a parameter
+that requires grad keeps ``npu_rms_norm`` even in ``model.eval()``.
 """
 
 from __future__ import annotations
 
+import logging
+import operator
+
 import torch
+import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from qwen_npu_compile.fusion import FusionFamily, PatternVariant, meta_val
+from qwen_npu_compile.fusion import FamilyPass, FusionFamily, PatternVariant, meta_val, node_source
+from qwen_npu_compile.npu_ops.add_rms_norm import add_rms_norm_violation
 from qwen_npu_compile.npu_ops.rms_norm import rms_norm_violation
 
 aten = torch.ops.aten
+log = logging.getLogger(__name__)
 
 
 def _search(x, weight, eps):
@@ -83,12 +109,97 @@ def _check(match) -> str | None:
     return check_rms_norm(meta_val(match.kwargs["x"]), meta_val(match.kwargs["weight"]))
 
 
+def graph_needs_autograd(graph: torch.fx.Graph) -> bool:
+    """Whether the graph being compiled may be differentiated: grad mode is on (now, at compile time:
+    Dynamo guards it) and some graph input requires grad (guarded per input by Dynamo)."""
+    if not torch.is_grad_enabled():
+        return False
+    for node in graph.find_nodes(op="placeholder"):
+        # make_fx's placeholder FakeTensors drop requires_grad; its tensor_meta records the input's
+        tensor_meta = node.meta.get("tensor_meta")
+        value = node.meta.get("val")
+        if getattr(tensor_meta, "requires_grad", False) or (isinstance(value, torch.Tensor) and value.requires_grad):
+            return True
+    return False
+
+
+def _residual_add(node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """``(x1, x2)`` when ``node`` is ``aten.add.Tensor(x1, x2)`` of two tensors (no alpha), else None."""
+    if not isinstance(node, torch.fx.Node) or node.target is not aten.add.Tensor or node.kwargs or len(node.args) != 2:
+        return None
+    x1, x2 = node.args
+    if not (isinstance(x1, torch.fx.Node) and isinstance(x2, torch.fx.Node)):
+        return None
+    return x1, x2
+
+
+def fuse_residual_adds(graph: torch.fx.Graph) -> int:
+    """Turn ``npu_rms_norm(x1 + x2, w, eps)`` into ``npu_add_rms_norm(x1, x2, w, eps)`` (inference only).
+
+    The add's output is also the residual stream (used after the norm), which a single-output pattern
+    cannot express; so this is a direct rewrite of the fused norms the pattern pass left, each checked
+    by :func:`~qwen_npu_compile.npu_ops.add_rms_norm.add_rms_norm_violation` (a refused one stays
+    ``npu_rms_norm``, with the reason logged at DEBUG). The caller decides that the graph needs no
+    autograd.
+
+    Returns:
+        How many norms were merged with their add.
+    """
+    merged = 0
+    for norm in list(graph.find_nodes(op="call_function", target=torch.ops.npu.npu_rms_norm.default)):
+        operands = _residual_add(norm.args[0])
+        if operands is None or not all(user.target is operator.getitem for user in norm.users):
+            continue
+        add, (x1, x2), gamma = norm.args[0], operands, norm.args[1]
+        eps = norm.args[2] if len(norm.args) > 2 else norm.kwargs.get("epsilon", 1e-6)
+        values = [meta_val(n) for n in (x1, x2, gamma)]
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            continue
+        reason = add_rms_norm_violation(*values)
+        if reason is not None:
+            log.debug("qwen_npu: rms_norm at %s stays npu_rms_norm: %s", node_source(add), reason)
+            continue
+        fake_mode = torch._guards.detect_fake_mode(values)
+        with graph.inserting_before(add):
+            fused = graph.call_function(torch.ops.npu.npu_add_rms_norm.default, (x1, x2, gamma, eps))
+            total = graph.call_function(operator.getitem, (fused, 2))
+        with fake_mode if fake_mode is not None else torch._subclasses.fake_tensor.unset_fake_temporarily():
+            fused.meta["val"] = torch.ops.npu.npu_add_rms_norm.default(*values, meta_val(eps))
+        total.meta["val"] = fused.meta["val"][2]
+        for meta_key in ("stack_trace", "nn_module_stack"):
+            if meta_key in norm.meta:
+                fused.meta[meta_key] = norm.meta[meta_key]
+        for user in list(norm.users):  # getitem(norm, 0 | 1) -> getitem(fused, 0 | 1)
+            user.args = (fused, user.args[1])
+        graph.erase_node(norm)
+        add.replace_all_uses_with(total)
+        graph.erase_node(add)
+        merged += 1
+    return merged
+
+
+class RmsNormPass(FamilyPass):
+    """The rms_norm pattern pass, then (inference graphs only) :func:`fuse_residual_adds`."""
+
+    #: How many norms the last :meth:`apply` merged with their residual add (for logs and benchmarks).
+    last_add_fused: int = 0
+
+    def apply(self, gm: torch.fx.GraphModule, recorder) -> int:
+        count = super().apply(gm, recorder)
+        self.last_add_fused = 0 if graph_needs_autograd(gm.graph) else fuse_residual_adds(gm.graph)
+        if self.last_add_fused:
+            log.debug("qwen_npu: %d of the fused RMSNorms take npu_add_rms_norm (inference graph)", self.last_add_fused)
+        return count
+
+
 class RmsNormFamily(FusionFamily):
-    """Qwen2RMSNorm -> ``npu_rms_norm(x, w, eps)[0]``; 2L+1 per Qwen2 model (2 per layer + final)."""
+    """Qwen2RMSNorm -> ``npu_rms_norm(x, w, eps)[0]``, or ``npu_add_rms_norm`` on a residual add in an
+    inference graph; 2L+1 per Qwen2 model (2 per layer + final), 2L of them add-fused in inference."""
 
     name = "rms_norm"
     anchor_ops = (aten.rsqrt.default,)
-    fused_op_names = ("npu_rms_norm",)
+    fused_op_names = ("npu_rms_norm", "npu_add_rms_norm")
+    pass_class = RmsNormPass
 
     def iter_variants(self):
         # One variant per dtype family, because the normalised graphs differ structurally:

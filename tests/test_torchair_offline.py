@@ -192,6 +192,7 @@ def _meta_cases():
     return {
         "npu_rms_norm": ((x, gamma, 1e-6), {}),
         "npu_rms_norm_backward": ((x, x, gamma, rstd), {}),
+        "npu_add_rms_norm": ((x, x, gamma, 1e-6), {}),
         "npu_swiglu": ((gate_up, -1), {}),
         "npu_swiglu_backward": ((dy_half, gate_up, -1), {}),
         "npu_rotary_mul": ((emb, cos, cos), {}),

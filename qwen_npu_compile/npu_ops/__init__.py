@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 EMITTED_OPS = (
     "npu_rms_norm",
     "npu_rms_norm_backward",
+    "npu_add_rms_norm",  # no backward op: inference graphs only
     "npu_swiglu",
     "npu_swiglu_backward",
     "npu_rotary_mul",

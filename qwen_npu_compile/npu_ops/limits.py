@@ -2,7 +2,8 @@
 
 Each op's limits live in its own module (one function per op, kernel and torchair converter limits
 together): :func:`~.rotary_mul.rotary_mul_violation`, :func:`~.rms_norm.rms_norm_violation`,
-:func:`~.swiglu.swiglu_violation`, :func:`~.fusion_attention.call_violation`. This module only maps a
+:func:`~.swiglu.swiglu_violation`, :func:`~.fusion_attention.call_violation`,
+:func:`~.add_rms_norm.add_rms_norm_violation`. This module only maps a
 node of a graph (the rewritten graph, or the forward/backward graphs torchair converts) to the right
 function, with the arguments bound by the op's schema and the tensors taken from ``meta["val"]``.
 """
@@ -14,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.fx
 
-from . import fusion_attention, rms_norm, rotary_mul, swiglu
+from . import add_rms_norm, fusion_attention, rms_norm, rotary_mul, swiglu
 
 
 def _rotary(backward: bool):
@@ -41,6 +42,8 @@ CHECKS: dict[str, Callable[[dict, str | None], str | None]] = {
     "npu::npu_rms_norm": lambda a, downstream: rms_norm.rms_norm_violation(a["self"], a["gamma"], downstream=downstream),
     "npu::npu_rms_norm_backward": lambda a, downstream: rms_norm.rms_norm_violation(
         a["self"], a["gamma"], downstream=downstream),
+    "npu::npu_add_rms_norm": lambda a, downstream: add_rms_norm.add_rms_norm_violation(
+        a["x1"], a["x2"], a["gamma"], downstream=downstream),
     "npu::npu_swiglu": lambda a, downstream: swiglu.swiglu_violation(a["self"], a.get("dim", -1), downstream=downstream),
     "npu::npu_swiglu_backward": lambda a, downstream: swiglu.swiglu_violation(
         a["self"], a.get("dim", -1), downstream=downstream),

@@ -105,6 +105,7 @@ The anchors are ``aten.scaled_dot_product_attention`` and the eager chain's ``at
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import math
 import sys
@@ -118,6 +119,7 @@ from qwen_npu_compile.canonicalize import trace_pattern
 from qwen_npu_compile.compat import guard_or_false
 from qwen_npu_compile.fusion import CompileTarget, FusionFamily, PatternVariant, current_target, meta_val, node_source
 from qwen_npu_compile.npu_ops.fusion_attention import GE_LAYOUTS, compressed_causal_mask, fusion_attention_violation
+from qwen_npu_compile.npu_ops.scalars import scalar_argument
 
 aten = torch.ops.aten
 F = torch.nn.functional
@@ -447,10 +449,36 @@ def _repeat_kv_reason(match, heads: int) -> str | None:
     return None
 
 
+#: Set by a variant's check when it accepts a match whose scale is a constant one-element tensor: the
+#: Python float read from it (``npu_fusion_attention``'s ``float scale``); None = pass the bound scale.
+#: Read by the replacement, which Inductor traces right after the check accepts.
+_SCALE_CONSTANT: contextvars.ContextVar[float | None] = contextvars.ContextVar("qwen_npu_attention_scale", default=None)
+
+
+def _scale_reason(match) -> str | None:
+    """Refusal reason when the matched scale cannot be ``npu_fusion_attention``'s ``float scale``
+    (:func:`~qwen_npu_compile.npu_ops.scalars.scalar_argument`: a per-head tensor, a 0-d graph input);
+    else None, with :data:`_SCALE_CONSTANT` set for the replacement."""
+    value, reason = scalar_argument("npu_fusion_attention", "scale", match.kwargs.get("scale"), allow_none=True)
+    if reason is not None:
+        return reason
+    _SCALE_CONSTANT.set(value if value is not match.kwargs.get("scale") else None)
+    return None
+
+
+def _scale_for(bound):
+    """The scale the replacement passes: the constant the check read, else the matched value."""
+    constant = _SCALE_CONSTANT.get()
+    return bound if constant is None else constant
+
+
 def _make_check(kv: str, eager_train: bool | None):
     """The check of one variant; ``eager_train`` is None for SDPA variants, else the dropout's ``train``."""
 
     def check(match) -> str | None:
+        scale_reason = _scale_reason(match)
+        if scale_reason is not None:
+            return scale_reason
         q, k, v = (meta_val(match.kwargs[name]) for name in ("query", "key", "value"))
         mask_node = match.kwargs.get("attn_mask")
         dropout_p = meta_val(match.kwargs.get("dropout_p", 0.0))
@@ -485,7 +513,9 @@ def _sdpa_functions(kv: str, mask: str, dropout: bool):
         return _sdpa(query, key, value, attn_mask, scale, dropout_p, kv=kv, causal=causal)
 
     def replace(query, key, value, attn_mask, scale, dropout_p):
-        return fused_attention(query, key, value, attn_mask, causal=causal, scale=scale, dropout_p=dropout_p)
+        return fused_attention(
+            query, key, value, attn_mask, causal=causal, scale=_scale_for(scale), dropout_p=dropout_p
+        )
 
     if mask == "mask" and dropout:
         return search, replace
@@ -522,7 +552,9 @@ def _eager_functions(kv: str, train: bool):
         return _eager(query, key, value, attn_mask, scale, dropout_p, kv=kv, train=train)
 
     def replace(query, key, value, attn_mask, scale, dropout_p):
-        return fused_attention(query, key, value, attn_mask, scale=scale, dropout_p=dropout_p if train else 0.0)
+        return fused_attention(
+            query, key, value, attn_mask, scale=_scale_for(scale), dropout_p=dropout_p if train else 0.0
+        )
 
     return search, replace
 

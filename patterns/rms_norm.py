@@ -53,6 +53,7 @@ that requires grad keeps ``npu_rms_norm`` even in ``model.eval()``.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import operator
 
@@ -63,6 +64,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from qwen_npu_compile.fusion import FamilyPass, FusionFamily, PatternVariant, meta_val, node_source
 from qwen_npu_compile.npu_ops.add_rms_norm import add_rms_norm_violation
 from qwen_npu_compile.npu_ops.rms_norm import rms_norm_violation
+from qwen_npu_compile.npu_ops.scalars import scalar_argument
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
@@ -76,8 +78,14 @@ def _search(x, weight, eps):
     return weight * hidden.to(input_dtype)
 
 
+#: The epsilon the check read from a constant one-element tensor (npu_rms_norm's ``float epsilon``), for
+#: the replacement Inductor traces right after the check accepts; None = pass the matched eps.
+_EPS_CONSTANT: contextvars.ContextVar[float | None] = contextvars.ContextVar("qwen_npu_rms_norm_eps", default=None)
+
+
 def _replace(x, weight, eps):
-    out = torch.ops.npu.npu_rms_norm.default(x, weight, eps)[0]
+    constant = _EPS_CONSTANT.get()
+    out = torch.ops.npu.npu_rms_norm.default(x, weight, eps if constant is None else constant)[0]
     promoted = torch.promote_types(x.dtype, weight.dtype)
     # HF returns weight * x.to(input_dtype): fp32 when a bf16/fp16 input meets an fp32 weight.
     return out if promoted == out.dtype else out.to(promoted)
@@ -106,6 +114,11 @@ def check_rms_norm(x, weight) -> str | None:
 
 
 def _check(match) -> str | None:
+    # eps must be npu_rms_norm's Python float epsilon (a tensor variance_epsilon is read only when constant)
+    eps, reason = scalar_argument("npu_rms_norm", "epsilon", match.kwargs.get("eps"))
+    if reason is not None:
+        return reason
+    _EPS_CONSTANT.set(eps if eps is not match.kwargs.get("eps") else None)
     return check_rms_norm(meta_val(match.kwargs["x"]), meta_val(match.kwargs["weight"]))
 
 

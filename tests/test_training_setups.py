@@ -1,0 +1,115 @@
+"""Setups people train with (issue 10): tensor-valued scalars, autocast, odd attention spellings.
+
+Tiny Qwen2 of the issue: hidden 96, 2 layers, 6 heads, 2 KV heads (GQA), vocab 256, batch 2, seq 12,
+transformers' real modeling code, one training step; exact fusion counts, parity with eager, refusal
+reasons.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from conftest import RTOL, rel_err, run_model, tiny_qwen2
+from qwen_npu_compile.report import SUMMARY
+
+ISSUE = dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, vocab_size=256)
+LAYERS = 2
+BATCH, SEQ = 2, 12
+
+
+def _ids(vocab=256):
+    return torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def _train_parity(model, options=None, dtype=torch.float32, **kwargs):
+    """One training step eager and compiled on the same tokens; returns the graph reports."""
+    ids = _ids(model.config.vocab_size)
+    eager_logits, eager_grads = run_model(model, model, ids, True, **kwargs)
+    compiled = torch.compile(model, backend="qwen_npu", options=options or {})
+    logits, grads = run_model(model, compiled, ids, True, **kwargs)
+    assert rel_err(logits, eager_logits) <= RTOL[dtype], rel_err(logits, eager_logits)
+    assert set(grads) == set(eager_grads)
+    worst = max(rel_err(grads[n], eager_grads[n]) for n in grads)
+    assert worst <= 5 * RTOL[dtype], worst
+    return list(SUMMARY.graphs)
+
+
+def _totals(reports):
+    totals = {}
+    for report in reports:
+        for family, count in report.fusions.items():
+            totals[family] = totals.get(family, 0) + count
+    return totals
+
+
+def _reasons(reports, family):
+    return [r.reason for report in reports for r in report.refused if r.family == family]
+
+
+# --------------------------------------------------------------------------------------------------
+# Item 3: tensors where a fused op's schema wants a Python scalar.
+# --------------------------------------------------------------------------------------------------
+
+
+def _constant_property(module, name, value):
+    """Make ``module.<name>`` a ``torch.tensor(value)`` created in every forward: a graph constant."""
+    cls = type(module)
+    module.__class__ = type(f"Constant{cls.__name__}", (cls,), {name: property(lambda self: torch.tensor(value))})
+
+
+@pytest.mark.parametrize("kind", ["python", "constant_0d", "input_0d", "per_head"])
+def test_attention_scale_kinds(kind):
+    """Eager attention's ``self.scaling``: a float or a constant 0-d tensor fuses; a 0-d module attribute
+    (a graph input) and a per-head ``[1, N, 1, 1]`` tensor are refused with the reason; none crashes."""
+    model = tiny_qwen2(attn="eager", **ISSUE)
+    heads = ISSUE["num_attention_heads"]
+    for layer in model.model.layers:
+        scaling = layer.self_attn.scaling
+        if kind == "constant_0d":
+            _constant_property(layer.self_attn, "scaling", scaling)
+        elif kind == "input_0d":
+            layer.self_attn.scaling = torch.tensor(scaling)
+        elif kind == "per_head":
+            layer.self_attn.scaling = scaling * torch.linspace(0.5, 1.5, heads).view(1, heads, 1, 1)
+    reports = _train_parity(model, {"fusions": "attention"})
+    reasons = _reasons(reports, "attention")
+    if kind in ("python", "constant_0d"):
+        assert _totals(reports)["attention"] == LAYERS and reasons == []
+    elif kind == "input_0d":
+        assert _totals(reports)["attention"] == 0
+        assert reasons == [
+            "scale is a torch.float32 tensor of shape (), a graph input (a module attribute, buffer or argument): "
+            "not a compile-time constant, so it cannot become npu_fusion_attention's Python float scale (set it "
+            "to a Python float)"
+        ] * LAYERS
+    else:
+        assert _totals(reports)["attention"] == 0
+        assert reasons == [
+            f"scale is a torch.float32 tensor of shape (1, {heads}, 1, 1) (e.g. a per-head scale), but "
+            "npu_fusion_attention takes one Python float scale for all heads and positions"
+        ] * LAYERS
+
+
+@pytest.mark.parametrize("kind", ["input_0d"])
+def test_rms_norm_tensor_epsilon(kind):
+    """Qwen2RMSNorm's ``variance_epsilon`` as a tensor: read when constant (2L+1 fused), else refused."""
+    model = tiny_qwen2(**ISSUE)
+    norms = [m for m in model.modules() if isinstance(m, transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm)]
+    assert len(norms) == 2 * LAYERS + 1
+    for norm in norms:
+        if kind == "constant_0d":
+            _constant_property(norm, "variance_epsilon", norm.variance_epsilon)
+        else:
+            norm.variance_epsilon = torch.tensor(norm.variance_epsilon)
+    reports = _train_parity(model, {"fusions": "rms_norm"})
+    if kind == "constant_0d":
+        assert _totals(reports)["rms_norm"] == 2 * LAYERS + 1 and _reasons(reports, "rms_norm") == []
+    else:
+        assert _totals(reports)["rms_norm"] == 0
+        assert _reasons(reports, "rms_norm") == [
+            "epsilon is a torch.float32 tensor of shape (), a graph input (a module attribute, buffer or "
+            "argument): not a compile-time constant, so it cannot become npu_rms_norm's Python float epsilon "
+            "(set it to a Python float)"
+        ] * (2 * LAYERS + 1)

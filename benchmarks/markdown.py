@@ -67,6 +67,19 @@ def _traffic(data: dict) -> list[str]:
                 f"| **fused lower bound** | - | - | {_mib(b['forward'])} / {_mib(b['backward'])} | - | 0 | 1.00 "
                 f"| {lb['est_ms_per_layer']['total']:.3f} |"
             )
+            math = lb.get("math_backward")
+            if math:
+                ours = m["variants"].get("qwen_npu", {}).get("ratio_to_math_backward_bound")
+                lines.append(
+                    f"| *math backward bound* | - | - | - / {_mib(math['bytes'])} | - | - | - | "
+                    f"{(math['bytes'] / data['bandwidth']['bytes_per_second'] * 1e3):.3f} (bw only) |"
+                )
+                lines += [
+                    "",
+                    "Independent backward bound from the layer's math (ideal fused kernels, residual-gradient adds "
+                    "fused into the norms): " + ", ".join(f"{k} {_mib(v)}" for k, v in math["terms"].items())
+                    + f" MiB; qwen_npu's backward is {ours:.2f}x of it." if ours else "",
+                ]
             if not lb["complete"]:
                 lines += [
                     "",
@@ -78,12 +91,60 @@ def _traffic(data: dict) -> list[str]:
             pf = eager_pf["forward"]
             lines += [
                 "",
-                f"Once per forward (all variants alike: position ids, causal mask, rotary cos/sin), not in the "
-                f"table: {pf['kernels']['total']} kernels, {_mib(pf['bytes']['non_matmul'])} MiB.",
+                f"Once per forward (position ids, causal mask, rotary cos/sin), not in the "
+                f"table: eager {pf['kernels']['total']} kernels, {_mib(pf['bytes']['non_matmul'])} MiB.",
             ]
+        lines += ["", _square_line(m)]
         lines += ["", *_where_bytes_go(m), ""]
     lines += _findings(data)
+    if data.get("inference"):
+        lines += _inference(data)
     return lines
+
+
+def _square_line(m: dict) -> str:
+    cells = []
+    for name, entry in m["variants"].items():
+        sq = entry.get("square_tensors_per_forward")
+        if sq is not None:
+            cells.append(f"{_LABELS.get(name, name)} {sq['tensors']} tensors, {_mib(sq['bytes'])} MiB held, "
+                         f"{_mib(sq['traffic'])} MiB moved")
+    return "S×S tensors per forward (the attention mask and its conversions): " + "; ".join(cells) + "."
+
+
+def _inference(data: dict) -> list[str]:
+    lines = [
+        "## 1b. Inference forwards (no grad, eval: the two log-prob forwards of a verl step)",
+        "",
+        "Per layer = graph(2 layers) − graph(1 layer), final norm kept (so both norms of a layer follow a "
+        "residual add). qwen_npu fuses residual add + RMSNorm into `npu_add_rms_norm` here.",
+        "",
+        "| model | variant | fused per layer | kernels | non-matmul MiB | ×LB | est. ms/layer |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for model, m in data["inference"].items():
+        for name, entry in m["variants"].items():
+            fw = entry["per_layer"]["forward"]
+            add = fw["by_op"].get("npu.npu_add_rms_norm.default", {}).get("kernels", 0)
+            fused = _fusions(entry) + (f" (add_rms_norm {add})" if add else "")
+            lines.append(
+                f"| {model} | {_LABELS.get(name, name)} | {fused} | {fw['kernels']['total']} | "
+                f"{_mib(fw['bytes']['non_matmul'])} | {entry['ratio_to_lower_bound']['forward']:.2f} | "
+                f"{entry['est_ms_per_layer']['forward']:.3f} |"
+            )
+        lines.append(f"| {model} | **lower bound** | - | - | {_mib(m['lower_bound']['bytes_per_layer']['forward'])} | 1.00 | - |")
+    lines += ["", "## 1c. One verl step (1 training forward+backward + 2 inference forwards)", "",
+              "| model | variant | MiB per layer | GiB per step (all layers) | est. ms per step | vs eager |",
+              "|---|---|---|---|---|---|"]
+    for model, step in data.get("verl_step", {}).items():
+        eager = step["variants"].get("eager", {}).get("bytes_per_step")
+        for name, entry in step["variants"].items():
+            lines.append(
+                f"| {model} ({step['layers']} layers) | {_LABELS.get(name, name)} | {_mib(entry['bytes_per_layer'])} | "
+                f"{entry['bytes_per_step'] / 1024**3:,.1f} | {entry['est_ms_per_step']:.1f} | "
+                f"{(eager / entry['bytes_per_step']):.2f}x fewer |" if eager else "- |"
+            )
+    return lines + [""]
 
 
 def _where_bytes_go(m: dict, top: int = 12) -> list[str]:
@@ -145,7 +206,7 @@ def _findings(data: dict) -> list[str]:
         ]
         sw_e = eager.get("swiglu_forward_bytes_per_layer")
         sw_f = ours.get("swiglu_forward_bytes_per_layer")
-        if sw_e and sw_f and sw_f["npu_swiglu"]:
+        if sw_e and sw_f and sw_f["npu_swiglu"] and sw_f["input_glue"]:
             fused = sw_f["npu_swiglu"] + sw_f["input_glue"]
             parts.append(
                 f"SwiGLU forward: unfused silu+mul {_mib(sw_e['silu_mul'])} MiB, fused cat+npu_swiglu {_mib(fused)} MiB "

@@ -434,6 +434,7 @@ def build_graphs(
     batch: int,
     seq: int,
     dtype: torch.dtype,
+    inference: bool = False,
 ) -> dict[str, dict]:
     """Capture ``layers`` decoder layers once under fake tensors; return each variant's AOT graphs.
 
@@ -447,9 +448,10 @@ def build_graphs(
         variants: the variants to build from this capture.
         batch: B; seq: S (tokens).
         dtype: parameter and activation dtype.
+        inference: ``model.eval()`` under ``torch.no_grad()`` (a log-prob forward): only a forward graph.
 
     Returns:
-        Per variant name: ``{"forward": GraphModule, "backward": GraphModule, "fusions": {family: count},
+        Per variant name: ``{"forward": GraphModule, "backward": GraphModule (training only), "fusions": {family: count},
         "refusals": [reason, ...]}``, plus ``"seconds"`` (wall time of the whole capture, float).
 
     Raises:
@@ -506,17 +508,25 @@ def build_graphs(
         with fake_mode:
             model = modeling_qwen2.Qwen2Model._from_config(cfg, attn_implementation="sdpa", dtype=dtype)
             inputs_embeds = torch.empty(batch, seq, cfg.hidden_size, dtype=dtype, requires_grad=True)
-        model.norm = torch.nn.Identity()  # count decoder layers only (no final norm)
-        model.train()
-        torch.compile(model, backend=backend, fullgraph=True)(inputs_embeds=inputs_embeds)
+        if not inference:
+            model.norm = torch.nn.Identity()  # count decoder layers only (no final norm)
+        # inference keeps the final norm: with it every layer's 2 norms follow a residual add in both
+        # L=1 and L=2 (npu_add_rms_norm), and per_forward holds layer 0's add-free input norm instead
+        model.train(not inference)
+        if inference:
+            inputs_embeds.requires_grad_(False)
+        with torch.set_grad_enabled(not inference):
+            torch.compile(model, backend=backend, fullgraph=True)(inputs_embeds=inputs_embeds)
     torch._dynamo.reset()
     for name, slot in captured.items():
-        if "forward" not in slot or "backward" not in slot:
+        if "forward" not in slot or ("backward" not in slot and not inference):
             raise RuntimeError(f"{name}: AOTAutograd did not hand over both graphs ({sorted(slot)})")
     return {**captured, "seconds": time.perf_counter() - start}
 
 
-def per_layer_tables(config, variants: Sequence[Variant], batch: int, seq: int, dtype: torch.dtype) -> dict:
+def per_layer_tables(
+    config, variants: Sequence[Variant], batch: int, seq: int, dtype: torch.dtype, inference: bool = False
+) -> dict:
     """Per-op tables per layer and per forward, for the forward and backward graphs of each variant.
 
     Variants are grouped by ``verl`` so that each group costs one Dynamo capture per layer count.
@@ -532,12 +542,13 @@ def per_layer_tables(config, variants: Sequence[Variant], batch: int, seq: int, 
             continue
         names = ", ".join(v.name for v in group)
         progress(f"traffic:   capture L=1 and L=2 for {names} ...")
-        one = build_graphs(config, 1, group, batch, seq, dtype)
-        two = build_graphs(config, 2, group, batch, seq, dtype)
+        one = build_graphs(config, 1, group, batch, seq, dtype, inference)
+        two = build_graphs(config, 2, group, batch, seq, dtype, inference)
         for variant in group:
             g1, g2 = one[variant.name], two[variant.name]
             result = {"per_layer": {}, "per_forward": {}, "seconds": one["seconds"] + two["seconds"]}
-            for kind in ("forward", "backward"):
+            result["square_tensors_per_forward"] = square_tensors(g1["forward"], seq)
+            for kind in _kinds(inference):
                 t1, t2 = graph_counts(g1[kind]), graph_counts(g2[kind])
                 layer = subtract(t2, t1)
                 result["per_layer"][kind] = layer
@@ -550,6 +561,71 @@ def per_layer_tables(config, variants: Sequence[Variant], batch: int, seq: int, 
             result["refusals"] = g2["refusals"]
             results[variant.name] = result
     return {v.name: results[v.name] for v in variants}
+
+
+def _kinds(inference: bool) -> tuple[str, ...]:
+    return ("forward",) if inference else ("forward", "backward")
+
+
+def square_tensors(gm: torch.fx.GraphModule, seq: int) -> dict[str, int]:
+    """The ``[..., S, S]`` tensors a forward graph computes (attention masks), kernels outside attention.
+
+    Returns:
+        ``{"tensors": n, "bytes": their bytes, "traffic": bytes read + written by kernels that read or
+        write an S×S tensor}``: the mask's memory and traffic (0 when no S×S tensor exists).
+    """
+    def square(value) -> bool:
+        return any(t.dim() >= 2 and tuple(int(d) for d in t.shape[-2:]) == (seq, seq) for t in _tensors(value))
+
+    out = {"tensors": 0, "bytes": 0, "traffic": 0}
+    for node in gm.graph.nodes:
+        category = classify(node)
+        if category in (None, "matmul", "attention"):
+            continue
+        writes = square(node.meta.get("val"))
+        reads = any(square(arg.meta.get("val")) for arg in _node_args(node))
+        if category != "free" and (writes or reads):
+            out["traffic"] += sum(node_bytes(node))
+        if writes and category != "free":
+            out["tensors"] += 1
+            out["bytes"] += sum(int(t.numel()) * t.element_size() for t in _tensors(node.meta.get("val")))
+    return out
+
+
+def math_backward_bound(shape: dict) -> dict:
+    """An independent lower bound of one decoder layer's non-matmul backward bytes, from its math alone.
+
+    What an ideal fused backward must read and write once (tokens T = B·S, element size b of the
+    activation dtype; matmuls excluded, as everywhere here):
+
+    * SwiGLU: read the incoming gradient ``[T, I]`` and the saved gate/up ``[T, 2I]``, write
+      d(gate, up) ``[T, 2I]``: ``5·T·I·b``.
+    * Each of the 2 RMSNorms, with the residual-gradient add fused in: read dy, the saved input and the
+      residual gradient ``[T, H]``, write dx ``[T, H]``: ``4·T·H·b``; plus rstd (``4·T`` bytes) and
+      gamma/dgamma (``H·(b + 4)``).
+    * Attention (flash backward): read q, dO, O ``[T, Nq·D]``, k, v ``[T, Nkv·D]`` and the softmax
+      statistics (2 × ``[T, Nq, 8]`` fp32), write dq, dk, dv: ``(3·Nq + 4·Nkv)·D·T·b + 64·T·Nq``.
+    * Rotary on q and k: read and write dq, dk: ``2·(Nq + Nkv)·D·T·b`` (cos/sin ``2·S·D·b`` more).
+    * Bias gradients, the dx accumulation of the q/k/v and gate/up projections: 0 (fused into the
+      kernels that produce those gradients, or accumulated by the matmuls).
+
+    Args:
+        shape: :func:`model_shape`'s dict.
+
+    Returns:
+        ``{"bytes": total, "terms": {name: bytes}}``.
+    """
+    b = torch.empty((), dtype=getattr(torch, shape["dtype"])).element_size()
+    tokens = shape["batch"] * shape["seq_len"]
+    hidden, inter, head_dim = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
+    nq, nkv = shape["num_attention_heads"], shape["num_key_value_heads"]
+    terms = {
+        "swiglu": 5 * tokens * inter * b,
+        "rms_norm_x2_with_residual_grad": 2 * (4 * tokens * hidden * b + 4 * tokens + hidden * (b + 4)),
+        "attention": (3 * nq + 4 * nkv) * head_dim * tokens * b + 64 * tokens * nq,
+        "rotary_q_k": 2 * (nq + nkv) * head_dim * tokens * b + 2 * shape["seq_len"] * head_dim * b,
+    }
+    return {"bytes": sum(terms.values()), "terms": terms}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -576,7 +652,13 @@ def _ms(num_bytes: float) -> float:
 
 
 def measure_model(
-    name: str, config, batch: int, seq: int, dtype: torch.dtype, variants: Iterable[Variant] = VARIANTS
+    name: str,
+    config,
+    batch: int,
+    seq: int,
+    dtype: torch.dtype,
+    variants: Iterable[Variant] = VARIANTS,
+    inference: bool = False,
 ) -> dict:
     """Every variant of one model: per-layer kernels, bytes, ratio to the fused lower bound, ms.
 
@@ -586,11 +668,14 @@ def measure_model(
         batch, seq: B and S.
         dtype: bf16 in the real runs.
         variants: which :class:`Variant` objects (the lower bound needs ``qwen_npu``).
+        inference: measure a no-grad ``eval()`` forward (forward graph only) instead of training.
     """
-    out = {"shape": model_shape(config, batch, seq, dtype), "variants": {}}
+    kinds = _kinds(inference)
+    out = {"shape": model_shape(config, batch, seq, dtype), "mode": "inference" if inference else "training",
+           "variants": {}}
     variants = list(variants)
-    progress(f"traffic: {name} B={batch} S={seq} ({', '.join(v.name for v in variants)}; fake tensors) ...")
-    all_tables = per_layer_tables(config, variants, batch, seq, dtype)
+    progress(f"traffic: {name} B={batch} S={seq} {out['mode']} ({', '.join(v.name for v in variants)}; fake tensors) ...")
+    all_tables = per_layer_tables(config, variants, batch, seq, dtype, inference)
     for variant in variants:
         tables = all_tables[variant.name]
         entry = {
@@ -600,29 +685,30 @@ def measure_model(
             "refusals": tables["refusals"],
             "capture_seconds": round(tables["seconds"], 2),
             "swiglu_forward_bytes_per_layer": tables["swiglu_forward"],
+            "square_tensors_per_forward": tables["square_tensors_per_forward"],
             "per_layer": {},
             "per_forward": {},
         }
         for scope in ("per_layer", "per_forward"):
-            for kind in ("forward", "backward"):
+            for kind in kinds:
                 entry[scope][kind] = {**summarize(tables[scope][kind]), "by_op": tables[scope][kind]}
         out["variants"][variant.name] = entry
         layer = entry["per_layer"]
         progress(
-            f"traffic: {name} {variant.name}: fused {tables['fusions_per_layer'] or '-'}; per layer fw/bw "
-            f"{layer['forward']['kernels']['total']}/{layer['backward']['kernels']['total']} kernels, "
-            f"{layer['forward']['bytes']['non_matmul'] / MIB:.0f}/{layer['backward']['bytes']['non_matmul'] / MIB:.0f} MiB "
-            "non-matmul"
+            f"traffic: {name} {variant.name}: fused {tables['fusions_per_layer'] or '-'}; per layer "
+            + "/".join(kinds) + " "
+            + "/".join(str(layer[k]["kernels"]["total"]) for k in kinds) + " kernels, "
+            + "/".join(f"{layer[k]['bytes']['non_matmul'] / MIB:.0f}" for k in kinds) + " MiB non-matmul"
         )
 
     reference = out["variants"].get("qwen_npu")
     if reference is None:
         return out
     bound = {}
-    for kind in ("forward", "backward"):
+    for kind in kinds:
         b = reference["per_layer"][kind]["bytes"]
         bound[kind] = b["non_matmul"] - b["glue"]
-    bound["total"] = bound["forward"] + bound["backward"]
+    bound["total"] = sum(bound[kind] for kind in kinds)
     out["lower_bound"] = {
         "definition": "qwen_npu per-layer non-matmul bytes minus its glue copies: every fused op reads its "
         "inputs once and writes its outputs once; only work no family covers (residual adds, gradient "
@@ -633,20 +719,54 @@ def measure_model(
         "bytes_per_layer": bound,
         "est_ms_per_layer": {k: _ms(v) for k, v in bound.items()},
     }
+    if not inference:
+        math_bound = math_backward_bound(out["shape"])
+        out["lower_bound"]["math_backward"] = {
+            "definition": "independent of any graph: what an ideal fused backward must read and write "
+            "(benchmarks.traffic.math_backward_bound)",
+            **math_bound,
+        }
     for entry in out["variants"].values():
-        moved = {k: entry["per_layer"][k]["bytes"]["non_matmul"] for k in ("forward", "backward")}
-        moved["total"] = moved["forward"] + moved["backward"]
+        moved = {k: entry["per_layer"][k]["bytes"]["non_matmul"] for k in kinds}
+        moved["total"] = sum(moved[k] for k in kinds)
         entry["bytes_per_layer"] = moved
         entry["ratio_to_lower_bound"] = {k: moved[k] / bound[k] for k in moved}
+        if not inference:
+            entry["ratio_to_math_backward_bound"] = moved["backward"] / out["lower_bound"]["math_backward"]["bytes"]
         entry["est_ms_per_layer"] = {k: _ms(v) for k, v in moved.items()}
-        entry["kernels_per_layer"] = {
-            k: entry["per_layer"][k]["kernels"]["total"] for k in ("forward", "backward")
-        }
+        entry["kernels_per_layer"] = {k: entry["per_layer"][k]["kernels"]["total"] for k in kinds}
+    return out
+
+
+def verl_step(training: dict, inference: dict, layers: int) -> dict:
+    """One verl step: a training forward + backward and two inference forwards (reference and old-policy
+    log-probs), per decoder layer and for the whole model's decoder stack.
+
+    Args:
+        training, inference: :func:`measure_model` results of one model and shape.
+        layers: the model's number of decoder layers.
+
+    Returns:
+        Per variant: ``{"bytes_per_layer", "bytes_per_step", "est_ms_per_step"}``; per step = layers ×
+        per layer + the once-per-forward work (mask, cos/sin) of the three forwards.
+    """
+    out = {}
+    for name, train in training["variants"].items():
+        infer = inference["variants"].get(name)
+        if infer is None:
+            continue
+        per_layer = train["bytes_per_layer"]["total"] + 2 * infer["bytes_per_layer"]["total"]
+        per_forward = sum(train["per_forward"][k]["bytes"]["non_matmul"] for k in ("forward", "backward"))
+        per_forward += 2 * infer["per_forward"]["forward"]["bytes"]["non_matmul"]
+        step = layers * per_layer + per_forward
+        out[name] = {"bytes_per_layer": per_layer, "bytes_per_step": step, "per_forward_bytes": per_forward,
+                     "est_ms_per_step": _ms(step)}
     return out
 
 
 def run(quick: bool = False) -> dict:
-    """Part 1 for Qwen2.5-0.5B and Qwen2.5-7B at B=1, S=4096, bf16.
+    """Part 1 for Qwen2.5-0.5B and Qwen2.5-7B at B=1, bf16: training at S=4096 (every variant) and
+    S=32768 (eager, verl, qwen_npu), inference forwards at both, and the verl-step view.
 
     Args:
         quick: a tiny model (hidden 64) at S=64 and only the headline variants (eager, verl, qwen_npu).
@@ -661,10 +781,13 @@ def run(quick: bool = False) -> dict:
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, use_cache=False,
         )  # fmt: skip
         models = [("tiny-h64", tiny, 1, 64)]
+        long_models = []
         variants = tuple(v for v in VARIANTS if v.name in HEADLINE_VARIANTS)
     else:
         variants = VARIANTS
-        models = [(preset, resolve_model_config(preset), 1, 4096) for preset in ("qwen2.5-0.5b", "qwen2.5-7b")]
+        presets = ("qwen2.5-0.5b", "qwen2.5-7b")
+        models = [(preset, resolve_model_config(preset), 1, 4096) for preset in presets]
+        long_models = [(f"{preset} S=32768", resolve_model_config(preset), 1, 32768) for preset in presets]
     result = {
         "bandwidth": BANDWIDTH,
         "verl_patch_sources": list(VERL_SOURCES),
@@ -683,9 +806,28 @@ def run(quick: bool = False) -> dict:
             "ids, causal mask, rotary cos/sin: once per forward, shared by all layers)",
             "est_ms": "bytes / bandwidth: memory-traffic floor of the non-matmul work; no launch overhead",
             "partitioner": "AOTAutograd default partitioner (saves activations, no recomputation)",
+            "square_tensors_per_forward": "[..., S, S] tensors written by non-attention kernels of a 1-layer "
+            "forward graph (the attention mask and its conversions): count, bytes, and the traffic of every "
+            "kernel reading or writing one",
+            "math_backward": "lower_bound.math_backward: an independent per-layer backward bound from the "
+            "layer's math (math_backward_bound), beside the graph-derived bound",
+            "inference": "the same models as a no-grad eval() forward (the log-prob forwards of a verl step)",
+            "verl_step": "1 training forward+backward + 2 inference forwards; per step = layers x per layer + "
+            "once-per-forward work",
         },
         "models": {},
     }
     for name, config, batch, seq in models:
         result["models"][name] = measure_model(name, config, batch, seq, dtype, variants)
+    result["inference"], result["verl_step"] = {}, {}
+    headline = tuple(v for v in VARIANTS if v.name in HEADLINE_VARIANTS)
+    for name, config, batch, seq in models + long_models:
+        if name not in result["models"]:  # long-sequence training rows: headline variants only
+            result["models"][name] = measure_model(name, config, batch, seq, dtype, headline)
+        result["inference"][name] = measure_model(name, config, batch, seq, dtype, headline, inference=True)
+        result["verl_step"][name] = {
+            "layers": config.num_hidden_layers,
+            "definition": "1 training forward+backward + 2 inference forwards (no grad), decoder layers only",
+            "variants": verl_step(result["models"][name], result["inference"][name], config.num_hidden_layers),
+        }
     return result

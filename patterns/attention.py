@@ -117,7 +117,15 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from qwen_npu_compile.canonicalize import trace_pattern
 from qwen_npu_compile.compat import guard_or_false
-from qwen_npu_compile.fusion import CompileTarget, FusionFamily, PatternVariant, current_target, meta_val, node_source
+from qwen_npu_compile.fusion import (
+    CompileTarget,
+    FamilyPass,
+    FusionFamily,
+    PatternVariant,
+    current_target,
+    meta_val,
+    node_source,
+)
 from qwen_npu_compile.npu_ops.fusion_attention import GE_LAYOUTS, compressed_causal_mask, fusion_attention_violation
 from qwen_npu_compile.npu_ops.scalars import scalar_argument
 
@@ -466,6 +474,45 @@ def _scale_reason(match) -> str | None:
     return None
 
 
+#: Set by a variant's check when q/k/v have different dtypes that autocast reconciled (fp32 q/k from the
+#: rotary, bf16 v from an autocast linear): autocast's dtype, which the replacement casts q, k, v to.
+_AUTOCAST_DTYPE: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar(
+    "qwen_npu_attention_autocast", default=None
+)
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _autocast_dtype(match, q, k, v) -> tuple[torch.dtype | None, str | None]:
+    """``(dtype, None)`` when the graph proves autocast cast q, k, v to ``dtype``; ``(None, None)`` when
+    they already agree; ``(None, reason)`` for mixed dtypes it does not explain.
+
+    Under ``torch.autocast(dtype=D)`` the pre-dispatch graph keeps the ops' original (mixed) inputs and
+    records autocast's output dtype: CPU and CUDA autocast run ``scaled_dot_product_attention`` and
+    ``matmul`` in D with every fp32 input cast to D (``lower_precision_fp`` in aten/src/ATen/autocast_mode.cpp).
+    So SDPA giving D from mixed q/k/v, or the eager chain whose two matmuls both give D, is attention over
+    ``q.to(D), k.to(D), v.to(D)``; the fused op gets exactly those casts. (The eager chain also rounds the
+    scores and probabilities to D between its ops, the kernel does not: the half-precision bound.)
+    """
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    if len(set(dtypes)) == 1:
+        return None, None
+    ends = [n for n in match.nodes if n.target in (aten.scaled_dot_product_attention.default, aten.matmul.default)]
+    outs = {getattr(meta_val(n), "dtype", None) for n in ends}
+    dtype = next(iter(outs)) if len(outs) == 1 else None
+    if not ends or dtype not in _HALF_DTYPES or not all(d in (torch.float32, dtype) for d in dtypes):
+        return None, (
+            f"dtype mismatch: query/key/value dtypes differ {dtypes} and the attention's ops do not all give one "
+            f"half dtype (got {sorted(map(str, outs))}), so no autocast cast explains them; the kernel takes one dtype"
+        )
+    return dtype, None
+
+
+def _autocast_cast(*tensors):
+    """q, k, v in the dtype autocast gives them (:data:`_AUTOCAST_DTYPE`), else unchanged."""
+    dtype = _AUTOCAST_DTYPE.get()
+    return tensors if dtype is None else tuple(t.to(dtype) for t in tensors)
+
+
 def _scale_for(bound):
     """The scale the replacement passes: the constant the check read, else the matched value."""
     constant = _SCALE_CONSTANT.get()
@@ -480,6 +527,13 @@ def _make_check(kv: str, eager_train: bool | None):
         if scale_reason is not None:
             return scale_reason
         q, k, v = (meta_val(match.kwargs[name]) for name in ("query", "key", "value"))
+        if all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+            cast_dtype, cast_reason = _autocast_dtype(match, q, k, v)
+            if cast_reason is not None:
+                return cast_reason
+            _AUTOCAST_DTYPE.set(cast_dtype)
+            if cast_dtype is not None:
+                q, k, v = (t.to(cast_dtype) for t in (q, k, v))
         mask_node = match.kwargs.get("attn_mask")
         dropout_p = meta_val(match.kwargs.get("dropout_p", 0.0))
         if eager_train is False:
@@ -513,6 +567,7 @@ def _sdpa_functions(kv: str, mask: str, dropout: bool):
         return _sdpa(query, key, value, attn_mask, scale, dropout_p, kv=kv, causal=causal)
 
     def replace(query, key, value, attn_mask, scale, dropout_p):
+        query, key, value = _autocast_cast(query, key, value)
         return fused_attention(
             query, key, value, attn_mask, causal=causal, scale=_scale_for(scale), dropout_p=dropout_p
         )
@@ -552,6 +607,7 @@ def _eager_functions(kv: str, train: bool):
         return _eager(query, key, value, attn_mask, scale, dropout_p, kv=kv, train=train)
 
     def replace(query, key, value, attn_mask, scale, dropout_p):
+        query, key, value = _autocast_cast(query, key, value)
         return fused_attention(
             query, key, value, attn_mask, scale=_scale_for(scale), dropout_p=dropout_p if train else 0.0
         )
@@ -602,10 +658,55 @@ def _variant(name, search_fn, replace_fn, examples, check, scalar_workaround, wh
     )
 
 
+#: The mask conversions the replacement emits (``logical_not(bool)``, ``mask != 0``).
+_MASK_CONVERSIONS = (aten.logical_not.default, aten.ne.Scalar)
+
+
+def share_mask_conversions(graph: torch.fx.Graph) -> int:
+    """Compute each mask conversion once per graph: every layer's ``logical_not(mask)`` of the one shared
+    mask (or ``mask != 0``) feeding ``npu_fusion_attention`` is replaced by the first one.
+
+    Each replacement converts its own mask (the pattern replaces one attention at a time), so a model
+    whose layers share one ``[B, 1, S, S]`` mask would convert it once per layer (``B·S²`` bytes read
+    and written each time: 32 MiB per layer at S=4096) and save one copy per layer for the backward.
+    Identical (op, input) pairs compute identical tensors, so sharing them is exact.
+
+    Returns:
+        How many conversions were removed.
+    """
+    first: dict[tuple, torch.fx.Node] = {}
+    removed = 0
+    fused = torch.ops.npu.npu_fusion_attention.default
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _MASK_CONVERSIONS:
+            continue
+        if not node.users or not all(user.target is fused for user in node.users):
+            continue
+        key = (node.target, node.args, tuple(sorted(node.kwargs.items())))
+        if key not in first:
+            first[key] = node
+            continue
+        node.replace_all_uses_with(first[key])
+        graph.erase_node(node)
+        removed += 1
+    return removed
+
+
+class AttentionPass(FamilyPass):
+    """The attention pattern pass, then :func:`share_mask_conversions`."""
+
+    def apply(self, gm: torch.fx.GraphModule, recorder) -> int:
+        count = super().apply(gm, recorder)
+        if count:
+            share_mask_conversions(gm.graph)
+        return count
+
+
 class AttentionFamily(FusionFamily):
     """SDPA / eager attention (after repeat_kv) -> ``npu_fusion_attention``; 1 per layer."""
 
     name = "attention"
+    pass_class = AttentionPass
     anchor_ops = (aten.scaled_dot_product_attention.default, aten.softmax.int)
     fused_op_names = ("npu_fusion_attention",)
 

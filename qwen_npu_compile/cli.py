@@ -439,9 +439,9 @@ def print_table(result: dict) -> None:
 
 
 #: GE op types of the fused kernels, printed with the GE conversion line (torch_npu 2.13.0 torchair
-#: converters of npu_rms_norm(_backward), npu_swiglu(_backward), npu_rotary_mul(_backward),
+#: converters of npu_rms_norm(_backward), npu_add_rms_norm, npu_swiglu(_backward), npu_rotary_mul(_backward),
 #: npu_fusion_attention(_grad)).
-FUSED_GE_OPS = ("RmsNorm", "RmsNormGrad", "SwiGlu", "SwiGluGrad", "RotaryMul", "RotaryMulGrad",
+FUSED_GE_OPS = ("RmsNorm", "RmsNormGrad", "AddRmsNorm", "SwiGlu", "SwiGluGrad", "RotaryMul", "RotaryMulGrad",
                 "FlashAttentionScore", "FlashAttentionScoreGrad")
 
 

@@ -1,0 +1,34 @@
+"""Issue 12: the shared attention mask is converted once per forward, not once per layer."""
+
+import pytest
+import torch
+
+from conftest import assert_parity, tiny_qwen2
+
+LAYERS = 3
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "infer"])
+def test_one_mask_conversion_for_all_layers(npu_ops, monkeypatch, train):
+    from qwen_npu_compile import backend
+
+    conversions = []
+    original = backend.rewrite
+
+    def spy(*args, **kwargs):
+        report, gm = original(*args, **kwargs)
+        fused = gm.graph.find_nodes(op="call_function", target=torch.ops.npu.npu_fusion_attention.default)
+        conversions.append({node.kwargs.get("atten_mask", node.args[7] if len(node.args) > 7 else None) for node in fused})
+        return report, gm
+
+    monkeypatch.setattr(backend, "rewrite", spy)
+    model = tiny_qwen2(torch.float32, num_hidden_layers=LAYERS).train(train)
+    ids = torch.randint(0, 128, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[0, :5] = 0  # left padding: an explicit mask reaches every layer
+    reports = assert_parity(model, ids, train, torch.float32, options={"downstream": "aot_eager"}, attention_mask=mask)
+    assert [r.fusions["attention"] for r in reports] == [LAYERS]
+    (masks,) = conversions
+    assert len(masks) == 1  # every layer's npu_fusion_attention reads the same converted mask
+    (node,) = masks
+    assert node.target is torch.ops.aten.logical_not.default

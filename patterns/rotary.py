@@ -93,6 +93,10 @@ _ELEMENTWISE = (
     aten.sin.default, aten.cos.default, aten.neg.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
     aten._to_copy.default, aten.clone.default, aten.alias.default, aten.contiguous.default, aten.detach.default,
 )  # fmt: skip
+#: Set by a variant's check when x, cos and sin have different dtypes (fp32 cos/sin with bf16 q/k under
+#: ``torch.autocast``: the linear is autocast to bf16, the rotary embedding is not): the dtype HF's mixed
+#: product promotes to, which the replacement casts all three to (exactly HF's math: ``q * cos`` upcasts q).
+_CAST_DTYPE: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar("qwen_npu_rotary_cast", default=None)
 _SCALED = (aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar)
 _MAX_WALK = 32
 
@@ -123,7 +127,14 @@ def _rotary(x, r1, r2):
     return torch.ops.npu.npu_rotary_mul.default(x, r1, r2, "half")
 
 
+def _promoted(*tensors):
+    """The tensors in the dtype the check chose (:data:`_CAST_DTYPE`), else unchanged."""
+    dtype = _CAST_DTYPE.get()
+    return tensors if dtype is None else tuple(t.to(dtype) for t in tensors)
+
+
 def _replace_bsnd(x_bsnd, cos, sin):
+    x_bsnd, cos, sin = _promoted(x_bsnd, cos, sin)
     return _rotary(x_bsnd, _bsnd_r(cos), _bsnd_r(sin)).transpose(1, 2)
 
 
@@ -132,7 +143,7 @@ def _search_bnsd(x, cos, sin):
 
 
 def _replace_bnsd(x, cos, sin):
-    return _rotary(x, cos, sin)
+    return _rotary(*_promoted(x, cos, sin))
 
 
 def check_rotary(x, r1, r2, layout: str, r_requires_grad: bool | None = None) -> str | None:
@@ -260,11 +271,24 @@ def _check_fused(x, r1, r2, layout: str, x_node, cos_node, sin_node) -> str | No
     return None
 
 
+def _promote_mixed(x, cos, sin):
+    """``(x, cos, sin)`` cast to their promoted dtype when they differ (HF's mixed product computes in it),
+    with :data:`_CAST_DTYPE` set for the replacement; unchanged (and the flag cleared) when they agree."""
+    dtypes = {x.dtype, cos.dtype, sin.dtype}
+    if len(dtypes) == 1 or not all(d.is_floating_point for d in dtypes):
+        _CAST_DTYPE.set(None)
+        return x, cos, sin
+    dtype = torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
+    _CAST_DTYPE.set(dtype)
+    return x.to(dtype), cos.to(dtype), sin.to(dtype)
+
+
 def _check_bsnd(match) -> str | None:
     x = meta_val(match.kwargs["x_bsnd"])
     cos, sin = meta_val(match.kwargs["cos"]), meta_val(match.kwargs["sin"])
     if not all(isinstance(t, torch.Tensor) for t in (x, cos, sin)):
         return "x, cos or sin is not a tensor"
+    x, cos, sin = _promote_mixed(x, cos, sin)
     if not all(r.dim() == 4 and guard_or_false(r.shape[1] == 1) for r in (cos, sin)):
         return f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)} is not unsqueezed at dim 1 ([B|1, 1, S, D])"
     return _check_fused(x, _bsnd_r(cos), _bsnd_r(sin), "BSND", match.kwargs["x_bsnd"], match.kwargs["cos"],
@@ -273,8 +297,10 @@ def _check_bsnd(match) -> str | None:
 
 def _check_bnsd(match) -> str | None:
     cos, sin = match.kwargs["cos"], match.kwargs["sin"]
-    x = meta_val(match.kwargs["x"])
-    return _check_fused(x, meta_val(cos), meta_val(sin), "BNSD", match.kwargs["x"], cos, sin)
+    values = (meta_val(match.kwargs["x"]), meta_val(cos), meta_val(sin))
+    if not all(isinstance(t, torch.Tensor) for t in values):
+        return "x, cos or sin is not a tensor"
+    return _check_fused(*_promote_mixed(*values), "BNSD", match.kwargs["x"], cos, sin)
 
 
 def _examples_bsnd():
@@ -293,7 +319,8 @@ class RotaryFamily(FusionFamily):
     fused_op_names = ("npu_rotary_mul",)
 
     def iter_variants(self):
-        # No casts in the subgraph, so one trace covers every dtype (the check refuses mixed dtypes).
+        # No casts in the subgraph, so one trace covers every dtype (mixed dtypes: the check picks the
+        # promoted one, the replacement casts to it).
         # Order matters: both variants match HF's subgraph (x = the transpose), the BSND one is tried first.
         yield PatternVariant(
             "rotary_bsnd", _search_bsnd, _replace_bsnd, _examples_bsnd, _check_bsnd,

@@ -113,3 +113,43 @@ def test_rms_norm_tensor_epsilon(kind):
             "argument): not a compile-time constant, so it cannot become npu_rms_norm's Python float epsilon "
             "(set it to a Python float)"
         ] * (2 * LAYERS + 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Item 2: fp32 weights under torch.autocast(bf16).
+# --------------------------------------------------------------------------------------------------
+
+
+def _rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
+
+
+def _flat_grads(grads):
+    return torch.cat([grads[n].flatten() for n in sorted(grads)])
+
+
+def assert_fp32_reference_bound(fp32, eager, compiled):
+    """README's half-precision bound: rel-L2(compiled, fp32 run) <= 2 * rel-L2(eager, fp32 run) + 1e-3,
+    for the logits and for all gradients together. Each argument is ``(logits, grads)``."""
+    for label, pick in (("logits", lambda r: r[0]), ("gradients", lambda r: _flat_grads(r[1]))):
+        ours, theirs = _rel_l2(pick(compiled), pick(fp32)), _rel_l2(pick(eager), pick(fp32))
+        assert ours <= 2 * theirs + 1e-3, (label, ours, theirs)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_autocast_bf16_fuses_every_family(attn):
+    """fp32 weights under ``torch.autocast("cpu", bf16)``: rotary (bf16 q/k, fp32 cos/sin) and attention
+    (fp32 q/k, bf16 v) fuse with the casts autocast implies; 5/2/4/2 and the fp32-reference bound."""
+    model = tiny_qwen2(attn=attn, **ISSUE)
+    ids = _ids()
+    fp32 = run_model(model, model, ids, True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = run_model(model, model, ids, True)
+        compiled = run_model(model, torch.compile(model, backend="qwen_npu"), ids, True)
+    reports = list(SUMMARY.graphs)
+    assert _totals(reports) == {"rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS, "rotary": 2 * LAYERS, "attention": LAYERS}
+    assert [r.reason for report in reports for r in report.refused] == []
+    assert compiled[0].dtype == eager[0].dtype
+    assert_fp32_reference_bound(fp32, eager, compiled)
+    backward = {op: n for report in reports for op, n in report.aot_ops["backward"].items()}
+    assert backward.get("npu_fusion_attention_grad") == LAYERS

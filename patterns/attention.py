@@ -692,10 +692,71 @@ def share_mask_conversions(graph: torch.fx.Graph) -> int:
     return removed
 
 
+def _swaps_last_two(node) -> bool:
+    """Whether ``node`` is a 4-D view that swaps the last two dims: ``transpose(2, 3)`` in any spelling
+    (``(-2, -1)``, ``(3, 2)``, ``(-1, 2)``...) or ``permute(0, 1, 3, 2)``."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return False
+    source = meta_val(node.args[0]) if node.args else None
+    if not isinstance(source, torch.Tensor) or source.dim() != 4:
+        return False
+    if node.target is aten.transpose.int and len(node.args) == 3:
+        return {d % 4 for d in node.args[1:3]} == {2, 3}
+    if node.target is aten.permute.default:
+        return [d % 4 for d in node.args[1]] == [0, 1, 3, 2]
+    return False
+
+
+def spell_key_transposes(graph: torch.fx.Graph) -> int:
+    """Respell every ``matmul(q, kt)`` whose ``kt`` swaps k's last two dims in another spelling
+    (``k.transpose(-2, -1)``, ``k.mT``-like permutes) as HF's ``k.transpose(2, 3)``, the one the eager
+    variants are traced with. The same view, so exact; returns how many were respelled."""
+    count = 0
+    for matmul in graph.find_nodes(op="call_function", target=aten.matmul.default):
+        kt = matmul.args[1]
+        if not _swaps_last_two(kt) or (kt.target is aten.transpose.int and tuple(kt.args[1:3]) == (2, 3)):
+            continue
+        with graph.inserting_before(matmul):
+            spelled = graph.call_function(aten.transpose.int, (kt.args[0], 2, 3))
+        spelled.meta.update(kt.meta)
+        matmul.replace_input_with(kt, spelled)
+        if not kt.users:
+            graph.erase_node(kt)
+        count += 1
+    return count
+
+
+def _describe_eager_chain(softmax: torch.fx.Node) -> str | None:
+    """Name the first piece of the eager chain ending at ``softmax`` that is not spelled as the variants
+    expect (``softmax(matmul(q, k.transpose(2, 3)) * scale [+ mask], -1, float32)``), or None."""
+    args = softmax.args
+    if len(args) < 3 or args[2] != torch.float32:
+        return "softmax without dtype=torch.float32 (eager_attention_forward upcasts the scores)"
+    node = args[0]
+    if isinstance(node, torch.fx.Node) and node.target is aten.add.Tensor:
+        node = node.args[0]
+    if not (isinstance(node, torch.fx.Node) and node.target in (aten.mul.Tensor, aten.div.Tensor)):
+        return f"the scores are {getattr(node, 'target', node)}, not matmul(q, k.transpose(2, 3)) * scale"
+    if node.target is aten.div.Tensor:
+        return "the scores are divided (matmul / d), not multiplied by the scale (matmul * scale)"
+    matmul = node.args[0]
+    if not (isinstance(matmul, torch.fx.Node) and matmul.target is aten.matmul.default):
+        return f"the scaled scores come from {getattr(matmul, 'target', matmul)}, not matmul(q, k.transpose(2, 3))"
+    kt = matmul.args[1]
+    if not (isinstance(kt, torch.fx.Node) and kt.target is aten.transpose.int and tuple(kt.args[1:3]) == (2, 3)):
+        spelled = f"{kt.target}{tuple(kt.args[1:])}" if isinstance(kt, torch.fx.Node) else repr(kt)
+        return (
+            f"the key operand of matmul {matmul.name} is {spelled}, not a [B, N, S, D] key's transpose(2, 3) "
+            "(the spelling the variants match; other spellings of that swap are respelled)"
+        )
+    return None
+
+
 class AttentionPass(FamilyPass):
-    """The attention pattern pass, then :func:`share_mask_conversions`."""
+    """The attention pattern pass (after :func:`spell_key_transposes`), then :func:`share_mask_conversions`."""
 
     def apply(self, gm: torch.fx.GraphModule, recorder) -> int:
+        spell_key_transposes(gm.graph)
         count = super().apply(gm, recorder)
         if count:
             share_mask_conversions(gm.graph)
@@ -760,7 +821,9 @@ class AttentionFamily(FusionFamily):
                 f"({_describe_sdpa(anchor)}); variants take attn_mask, or attn_mask=None with is_causal, "
                 "and K/V plain, repeat_kv'd or enable_gqa"
             )
-        return super().explain_near_miss(anchor)
+        generic = super().explain_near_miss(anchor)
+        spelling = _describe_eager_chain(anchor) if anchor.target is aten.softmax.int else None
+        return generic if spelling is None or "also used outside" in generic else f"{generic}: {spelling}"
 
 
 def _describe_sdpa(node: torch.fx.Node) -> str:

@@ -153,3 +153,61 @@ def test_autocast_bf16_fuses_every_family(attn):
     assert_fp32_reference_bound(fp32, eager, compiled)
     backward = {op: n for report in reports for op, n in report.aot_ops["backward"].items()}
     assert backward.get("npu_fusion_attention_grad") == LAYERS
+
+
+# --------------------------------------------------------------------------------------------------
+# Item 5: other spellings of the key transpose in hand-written eager attention.
+# --------------------------------------------------------------------------------------------------
+
+
+class HandWrittenAttention(torch.nn.Module):
+    """A non-HF attention: one qkv projection, ``q @ <key transposed> * scale`` in the given spelling, a
+    causal ``where(bool, 0, finfo.min)`` mask, fp32 softmax, dropout, ``@ v``. 4 heads of 16."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.spelling = spelling
+        self.qkv = torch.nn.Linear(64, 192)
+
+    def forward(self, x):
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, 4, 16).unbind(2)  # [B, S, N, D] each
+        q, v = q.transpose(1, 2), v.transpose(1, 2)
+        if self.spelling == "bsnd_permute":  # the key stays BSND: [B, S, N, D] -> [B, N, D, S] in one permute
+            kt = k.permute(0, 2, 3, 1)
+        else:
+            k = k.transpose(1, 2)
+            kt = {"neg": lambda: k.transpose(-2, -1), "swapped": lambda: k.transpose(3, 2),
+                  "permute": lambda: k.permute(0, 1, 3, 2)}[self.spelling]()  # fmt: skip
+        scores = q @ kt * 0.25
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
+        scores = scores + torch.where(causal, 0.0, torch.finfo(torch.float32).min)
+        probs = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = torch.nn.functional.dropout(probs, p=0.0, training=self.training)
+        return (probs @ v).transpose(1, 2).reshape(batch, seq, 64)
+
+
+@pytest.mark.parametrize("spelling", ["neg", "swapped", "permute", "bsnd_permute"])
+def test_key_transpose_spellings(spelling):
+    """``q @ key.transpose(-2, -1)`` and the other spellings of the same swap fuse (respelled as HF's
+    ``transpose(2, 3)``); a key transposed from another layout is refused naming that spelling."""
+    torch.manual_seed(0)
+    module = HandWrittenAttention(spelling)
+    x = torch.randn(2, SEQ, 64, requires_grad=True)
+    expected = module(x)
+    (expected_grad,) = torch.autograd.grad(expected.square().sum(), x)
+    got = torch.compile(module, backend="qwen_npu", options={"fusions": "attention"})(x)
+    (got_grad,) = torch.autograd.grad(got.square().sum(), x)
+    assert rel_err(got, expected) <= RTOL[torch.float32] and rel_err(got_grad, expected_grad) <= 5 * RTOL[torch.float32]
+    [report] = SUMMARY.graphs
+    if spelling == "bsnd_permute":
+        assert report.fusions == {"attention": 0}
+        [reason] = _reasons([report], "attention")
+        assert reason.startswith("near miss: aten.softmax.int at test_training_setups.py:")
+        assert reason.endswith(
+            "is not inside a complete attention subgraph: the key operand of matmul matmul is "
+            "aten.permute.default([0, 2, 3, 1],), not a [B, N, S, D] key's transpose(2, 3) (the spelling the "
+            "variants match; other spellings of that swap are respelled)"
+        ), reason
+    else:
+        assert report.fusions == {"attention": 1} and _reasons([report], "attention") == []

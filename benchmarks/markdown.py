@@ -107,7 +107,7 @@ def _square_line(m: dict) -> str:
     for name, entry in m["variants"].items():
         sq = entry.get("square_tensors_per_forward")
         if sq is not None:
-            cells.append(f"{_LABELS.get(name, name)} {sq['tensors']} tensors, {_mib(sq['bytes'])} MiB held, "
+            cells.append(f"{_LABELS.get(name, name)} {sq['tensors']} tensors, {_mib(sq['bytes'])} MiB written, "
                          f"{_mib(sq['traffic'])} MiB moved")
     return "S×S tensors per forward (the attention mask and its conversions): " + "; ".join(cells) + "."
 
@@ -134,7 +134,7 @@ def _inference(data: dict) -> list[str]:
             )
         lines.append(f"| {model} | **lower bound** | - | - | {_mib(m['lower_bound']['bytes_per_layer']['forward'])} | 1.00 | - |")
     lines += ["", "## 1c. One verl step (1 training forward+backward + 2 inference forwards)", "",
-              "| model | variant | MiB per layer | GiB per step (all layers) | est. ms per step | vs eager |",
+              "| model | variant | MiB per layer | GiB per step (all layers) | est. ms per step | eager bytes ÷ these |",
               "|---|---|---|---|---|---|"]
     for model, step in data.get("verl_step", {}).items():
         eager = step["variants"].get("eager", {}).get("bytes_per_step")
@@ -142,7 +142,7 @@ def _inference(data: dict) -> list[str]:
             lines.append(
                 f"| {model} ({step['layers']} layers) | {_LABELS.get(name, name)} | {_mib(entry['bytes_per_layer'])} | "
                 f"{entry['bytes_per_step'] / 1024**3:,.1f} | {entry['est_ms_per_step']:.1f} | "
-                f"{(eager / entry['bytes_per_step']):.2f}x fewer |" if eager else "- |"
+                f"{(eager / entry['bytes_per_step']):.2f} |" if eager else "- |"
             )
     return lines + [""]
 

@@ -669,7 +669,8 @@ def share_mask_conversions(graph: torch.fx.Graph) -> int:
     Each replacement converts its own mask (the pattern replaces one attention at a time), so a model
     whose layers share one ``[B, 1, S, S]`` mask would convert it once per layer (``B·S²`` bytes read
     and written each time: 32 MiB per layer at S=4096) and save one copy per layer for the backward.
-    Identical (op, input) pairs compute identical tensors, so sharing them is exact.
+    Identical (op, input) pairs compute identical tensors, so sharing them is exact; inputs that are
+    identical views of one tensor count as identical (:func:`_view_key`).
 
     Returns:
         How many conversions were removed.
@@ -682,7 +683,7 @@ def share_mask_conversions(graph: torch.fx.Graph) -> int:
             continue
         if not node.users or not all(user.target is fused for user in node.users):
             continue
-        key = (node.target, node.args, tuple(sorted(node.kwargs.items())))
+        key = (node.target, _view_key(node.args), _view_key(tuple(sorted(node.kwargs.items()))))
         if key not in first:
             first[key] = node
             continue
@@ -750,6 +751,21 @@ def _describe_eager_chain(softmax: torch.fx.Node) -> str | None:
             "(the spelling the variants match; other spellings of that swap are respelled)"
         )
     return None
+
+
+def _view_key(value):
+    """A hashable key equal for equal views of one tensor: transformers 4.5x slices the shared mask in
+    every layer (``mask[:, :, :, :k_len]``), one identical ``aten.slice`` node per layer."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_view_key(item) for item in value)
+    if (
+        isinstance(value, torch.fx.Node)
+        and value.op == "call_function"
+        and isinstance(value.target, torch._ops.OpOverload)
+        and value.target.is_view
+    ):
+        return (value.target, _view_key(value.args), _view_key(tuple(sorted(value.kwargs.items()))))
+    return value
 
 
 class AttentionPass(FamilyPass):

@@ -1,0 +1,100 @@
+"""torchair FX→GE conversion of Qwen2.5-0.5B-width graphs across the settings users train with (CI).
+
+Runs ``qwen-npu-compile check qwen2.5-0.5b --layers 2 --downstream torchair`` (off-NPU: torchair's
+own converters from the torch_npu wheel that pairs with the installed torch, see
+``qwen_npu_compile/torchair_offline``) once per combination of mode (train/infer), dtype (bf16/fp16),
+attention (sdpa/eager) and sequence length (static/``--dynamic``), each in its own process (importing
+torchair patches torch for the whole process). Prints one line per run: the verdict, the fusion
+counts, the GE op counts, every refusal with its reason and every conversion failure; writes all
+results as JSON with ``--json``. Exit status 1 when any run fails (a conversion failure, a missing
+fusion or parity), 0 otherwise.
+
+    python tools/ge_matrix.py [--quick] [--json FILE]
+
+``--quick`` runs the 4 bf16/sdpa combinations only (the stack matrix uses it on older stacks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODES, DTYPES, ATTNS, SHAPES = ("train", "infer"), ("bf16", "fp16"), ("sdpa", "eager"), ("static", "dynamic")
+
+
+def combinations(quick: bool) -> list[tuple[str, str, str, str]]:
+    if quick:
+        return [(mode, "bf16", "sdpa", shape) for mode, shape in itertools.product(MODES, SHAPES)]
+    return list(itertools.product(MODES, DTYPES, ATTNS, SHAPES))
+
+
+def run_one(mode: str, dtype: str, attn: str, shape: str, folder: Path) -> dict:
+    """One ``check`` run in its own process; returns its JSON result (or the error it printed)."""
+    out = folder / f"{mode}-{dtype}-{attn}-{shape}.json"
+    command = [sys.executable, "-m", "qwen_npu_compile.cli", "check", "qwen2.5-0.5b", "--layers", "2",
+               "--downstream", "torchair", "--mode", mode, "--dtype", dtype, "--attn", attn, "--json", str(out)]
+    if shape == "dynamic":
+        command.append("--dynamic")
+    proc = subprocess.run(command, capture_output=True, text=True)
+    if out.exists():
+        result = json.loads(out.read_text())
+        result["exit"] = proc.returncode
+        return result
+    return {"exit": proc.returncode, "verdict": "ERROR", "error": (proc.stderr or proc.stdout).strip()[-2000:]}
+
+
+def describe(result: dict) -> list[str]:
+    """The lines printed for one run."""
+    if result.get("verdict") == "ERROR":
+        return [f"    error: {result['error']}"]
+    fused = ", ".join(f"{family} {row['fused'] + row['already_fused']}/{row['expected']}"
+                      for family, row in result["fusions"].items())
+    lines = [f"    fused: {fused}"]
+    ge = result.get("ge") or {}
+    for graph in ge.get("graphs", []):
+        ops = ", ".join(f"{op} {n}" for op, n in sorted(graph.get("ops", {}).items())
+                        if op[0].isupper() and any(k in op for k in ("Rms", "SwiGlu", "Rotary", "FlashAttention")))
+        lines.append(f"    GE {graph['name']}: {ops}")
+    lines += [f"    refused {r['family']} at {r['source']}: {r['reason']}" for r in result.get("refused", [])]
+    lines += [f"    GE failure {f['op']} at {f.get('source')}: {f['error']}" for f in ge.get("failures", [])]
+    lines += [f"    problem: {p}" for p in result.get("problems", [])]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ge_matrix", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the 4 bf16/sdpa combinations only")
+    parser.add_argument("--json", type=Path, default=None, help="write every run's result here")
+    args = parser.parse_args(argv)
+    runs = combinations(args.quick)
+    results = {}
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="qwen_npu_ge_matrix_") as tmp:
+        for index, combo in enumerate(runs, 1):
+            name = "-".join(combo)
+            began = time.perf_counter()
+            result = run_one(*combo, Path(tmp))
+            results[name] = result
+            failures = len((result.get("ge") or {}).get("failures", []))
+            print(f"[{index}/{len(runs)}] {name}: {result.get('verdict')} (GE failures {failures}, "
+                  f"{time.perf_counter() - began:.0f}s)", flush=True)
+            for line in describe(result):
+                print(line, flush=True)
+    failed = [name for name, result in results.items() if result.get("exit") != 0 or result.get("verdict") != "PASS"]
+    print(f"ge_matrix: {len(runs) - len(failed)}/{len(runs)} runs converted and passed in {time.perf_counter() - start:.0f}s")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2, default=str))
+    if failed:
+        print("ge_matrix: FAILED: " + ", ".join(failed))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,6 +13,7 @@ Exit status 0 only when every expected fusion happened and parity holds (1: chec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import logging
@@ -49,13 +50,13 @@ BACKWARD_OPS = {
 log = logging.getLogger("qwen_npu_compile")
 
 
-def expected_fusions(num_layers: int, families) -> dict[str, int]:
+def expected_fusions(num_layers: int, families, rms_norms_per_layer: int = 2) -> dict[str, int]:
     """Fusions a Qwen2 model of ``num_layers`` decoder layers must give, per enabled family.
 
-    RMSNorm: 2 per layer + the final norm; SwiGLU: 1 per layer; rotary: q and k per layer;
-    attention: 1 per layer.
+    RMSNorm: 2 per layer (``rms_norms_per_layer``: 4 for Qwen3's q_norm/k_norm) + the final norm;
+    SwiGLU: 1 per layer; rotary: q and k per layer; attention: 1 per layer.
     """
-    per_family = {"rms_norm": 2 * num_layers + 1, "swiglu": num_layers, "rotary": 2 * num_layers, "attention": num_layers}
+    per_family = {"rms_norm": rms_norms_per_layer * num_layers + 1, "swiglu": num_layers, "rotary": 2 * num_layers, "attention": num_layers}
     return {family: per_family[family] for family in ALL_FAMILIES if family in families}
 
 
@@ -93,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--dynamic", action="store_true",
                        help="mark the sequence length dynamic (torch._dynamo.mark_dynamic(input_ids, 1)), as verl's "
                             "varying micro-batch lengths make it")
+    check.add_argument("--grad-checkpointing", action="store_true",
+                       help="train with model.gradient_checkpointing_enable(use_reentrant=False), as HF Trainer does")
+    check.add_argument("--autocast", action="store_true",
+                       help="fp32 weights run under torch.autocast('cpu', dtype=--dtype) (bf16/fp16), as Trainer's bf16=True")
     check.add_argument("--dump-dir", type=Path, default=None, help="write graphs, report.json and summary.json here")
     check.add_argument("--json", type=Path, default=None, dest="json_path", metavar="FILE", help="write the results as JSON")
     check.add_argument("-v", "--verbose", action="store_true", help="log every qwen_npu line")
@@ -189,6 +194,16 @@ def run_check(args: argparse.Namespace) -> dict:
 
     dtype = DTYPES[args.dtype]
     train = args.mode == "train"
+    autocast = getattr(args, "autocast", False)
+    checkpointing = getattr(args, "grad_checkpointing", False)
+    if autocast and dtype == torch.float32:
+        raise ValueError("--autocast needs --dtype bf16 or fp16 (the autocast dtype; the weights stay fp32)")
+    if checkpointing and not train:
+        raise ValueError("--grad-checkpointing needs --mode train")
+
+    def amp():
+        """The autocast region of the eager and compiled runs (not of the fp32 reference)."""
+        return torch.autocast("cpu", dtype=dtype) if autocast else contextlib.nullcontext()
     # Validate every backend setting (options over QWEN_NPU_* env) before building anything.
     options = {"fusions": args.fusions, "downstream": args.downstream,
                "dump_dir": str(args.dump_dir) if args.dump_dir is not None else None}
@@ -226,8 +241,10 @@ def run_check(args: argparse.Namespace) -> dict:
         torchair_seconds["torchair_import"] = offline.import_seconds
         stages.end(f"torch_npu {offline.torch_npu_version}, wheel {offline.sources.wheel.name}")
     stages.begin(f"building {args.model}: {layers} layers, {args.dtype}, attn={args.attn}, mode={args.mode}")
-    model, info = models.build_model(args.model, layers=layers, dtype=dtype, attn=args.attn)
+    model, info = models.build_model(args.model, layers=layers, dtype=torch.float32 if autocast else dtype, attn=args.attn)
     model.train(train)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     weights = {"preset": "random weights", "local-random": "random weights", "local-weights": "weights loaded"}[info["source"]]
     stages.end(f"{info['num_parameters'] / 1e6:.1f}M parameters, {weights}; npu ops {status.kind}")
 
@@ -235,7 +252,8 @@ def run_check(args: argparse.Namespace) -> dict:
     input_ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len), generator=generator)
 
     stages.begin(f"eager {'forward + backward' if train else 'forward'}")
-    eager_logits, eager_grads = _run(model, model, input_ids, train)
+    with amp():
+        eager_logits, eager_grads = _run(model, model, input_ids, train)
     stages.end()
 
     reference = None
@@ -256,13 +274,15 @@ def run_check(args: argparse.Namespace) -> dict:
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="qwen_npu", options=options, dynamic=None if args.dynamic else False)
     start = time.perf_counter()
-    compiled_logits, compiled_grads = _run(model, compiled, input_ids, train)
+    with amp():
+        compiled_logits, compiled_grads = _run(model, compiled, input_ids, train)
     compile_seconds = time.perf_counter() - start
     stages.end()
 
     stages.begin("compiled run again (timing)")
     start = time.perf_counter()
-    compiled_logits, compiled_grads = _run(model, compiled, input_ids, train)
+    with amp():
+        compiled_logits, compiled_grads = _run(model, compiled, input_ids, train)
     steady_seconds = time.perf_counter() - start
     stages.end()
 
@@ -270,7 +290,7 @@ def run_check(args: argparse.Namespace) -> dict:
     reports = get_reports()[first_report:]
     fused = {family: sum(r.fusions.get(family, 0) for r in reports) for family in ALL_FAMILIES if family in fusions}
     already = {family: sum(r.already_fused.get(family, 0) for r in reports) for family in fused}
-    expected = expected_fusions(layers, fusions)
+    expected = expected_fusions(layers, fusions, models.rms_norms_per_layer(config))
     backward_ops: dict[str, int] = {}
     for report in reports:
         for op, count in report.aot_ops.get("backward", {}).items():
@@ -316,6 +336,7 @@ def run_check(args: argparse.Namespace) -> dict:
         "settings": {
             "batch": args.batch, "seq_len": args.seq_len, "dtype": args.dtype, "mode": args.mode,
             "attn": args.attn, "fusions": sorted(fusions), "downstream": downstream, "dynamic": args.dynamic,
+            "autocast": autocast, "grad_checkpointing": checkpointing,
         },
         "versions": run_versions(status),
         "simulated": status.simulated,

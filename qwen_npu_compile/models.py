@@ -1,4 +1,4 @@
-"""Qwen2 / Qwen2.5 models for ``qwen-npu-compile check MODEL``.
+"""Qwen2 / Qwen2.5 (and Qwen3, Llama 3.x, Mistral) models for ``qwen-npu-compile check MODEL``.
 
 ``MODEL`` is either a preset name (:data:`PRESETS`; case-insensitive, an optional ``Qwen/`` prefix is
 accepted, e.g. ``Qwen/Qwen2.5-0.5B``) or a local Hugging Face model directory holding a
@@ -10,6 +10,12 @@ The presets are the architecture fields of the published Hugging Face ``config.j
 models (``Qwen/Qwen2-0.5B``, ..., ``Qwen/Qwen2.5-72B``), not the ``-Instruct`` ones: those share every
 shape, but differ in ``max_position_embeddings`` / ``sliding_window`` (32768 for most Instruct models)
 and, for Qwen2.5-14B/32B/72B, in ``rms_norm_eps`` (Instruct 1e-6, base 1e-5).
+
+Other families with the same four blocks (RMSNorm, SwiGLU MLP, rotate-half RoPE, GQA attention) have
+presets too (:data:`FAMILIES`): ``qwen3-0.6b``, ``qwen3-8b`` (``Qwen/Qwen3-*``: per-head q_norm/k_norm,
+so 4 RMSNorms per layer; no q/k/v bias; head_dim 128), ``llama-3.1-8b`` (``meta-llama/Llama-3.1-8B``:
+llama3 RoPE scaling) and ``mistral-7b`` (``mistralai/Mistral-7B-v0.1``: sliding window 4096). A local
+directory with ``model_type`` qwen3, llama or mistral is accepted too.
 
 The memory estimate (:func:`estimate_memory_bytes`) lets the caller refuse a run that would not fit
 (:func:`available_memory_bytes`).
@@ -29,14 +35,31 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 log = logging.getLogger(__name__)
 
+#: model_type -> (transformers config class, causal-LM class, RMSNorms per decoder layer, q/k/v bias).
+#: Qwen3 adds q_norm and k_norm (RMSNorm over head_dim) to the two of Qwen2 (transformers
+#: models/qwen3/modeling_qwen3.py ``Qwen3Attention``); Llama and Mistral have no q/k/v bias.
+FAMILIES: dict[str, tuple[str, str, int, bool]] = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", 2, True),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", 4, False),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", 2, False),
+    "mistral": ("MistralConfig", "MistralForCausalLM", 2, False),
+}
+
 #: The ``model_type`` values of a local ``config.json`` this module builds.
-SUPPORTED_MODEL_TYPES = ("qwen2",)
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+#: Organisation prefixes accepted before a preset name (``Qwen/Qwen3-8B``, ``meta-llama/Llama-3.1-8B``).
+_ORG_PREFIXES = ("qwen/", "meta-llama/", "mistralai/")
+#: Other spellings of preset names (the Hugging Face repository names).
+_ALIASES = {"meta-llama-3.1-8b": "llama-3.1-8b", "mistral-7b-v0.1": "mistral-7b"}
 
 #: ``attn_implementation`` values :func:`build_model` accepts.
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 
 #: The architecture fields reported in :func:`build_model`'s info dict (and set by the presets).
 ARCH_FIELDS = (
+    "model_type",
+    "head_dim",
     "hidden_size",
     "intermediate_size",
     "num_hidden_layers",
@@ -236,7 +259,60 @@ PRESETS: dict[str, dict[str, Any]] = {
         sliding_window=131072,
         max_window_layers=80,
     ),
+    # Qwen/Qwen3-0.6B config.json (transformers 4.51.0), as quoted verbatim in public copies found with the
+    # code search (e.g. a "Constants for Qwen/Qwen3-0.6B (.../raw/main/config.json)" header; torchtune's
+    # qwen3_0_6b builder agrees on the shapes): head_dim 128 (not hidden/heads = 64), 40960 context, tied.
+    "qwen3-0.6b": dict(
+        model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+        sliding_window=None, use_sliding_window=False, max_window_layers=28, attention_bias=False,
+        attention_dropout=0.0, hidden_act="silu",
+    ),
+    # Qwen/Qwen3-8B config.json: 36 layers, 4096/12288, 32 heads / 8 KV heads of 128, untied.
+    "qwen3-8b": dict(
+        model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+        sliding_window=None, use_sliding_window=False, max_window_layers=36, attention_bias=False,
+        attention_dropout=0.0, hidden_act="silu",
+    ),
+    # meta-llama/Llama-3.1-8B config.json: llama3 RoPE scaling (factor 8, low/high freq factor 1/4,
+    # original context 8192), rope_theta 500000, eps 1e-5, vocab 128256, untied.
+    "llama-3.1-8b": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        tie_word_embeddings=False, attention_bias=False, mlp_bias=False, attention_dropout=0.0, hidden_act="silu",
+    ),
+    # mistralai/Mistral-7B-v0.1 config.json: sliding window 4096, rope_theta 10000, vocab 32000, eps 1e-5.
+    "mistral-7b": dict(
+        model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32000,
+        max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=4096,
+        tie_word_embeddings=False, attention_dropout=0.0, hidden_act="silu",
+    ),
 }
+
+
+def _family(config: Any) -> tuple[str, str, int, bool]:
+    """The :data:`FAMILIES` row of ``config`` (Qwen2's for an unknown model_type)."""
+    return FAMILIES.get(getattr(config, "model_type", "qwen2"), FAMILIES["qwen2"])
+
+
+def rms_norms_per_layer(config: Any) -> int:
+    """RMSNorms per decoder layer of ``config``'s family: 2, or 4 for Qwen3 (q_norm and k_norm)."""
+    return _family(config)[2]
+
+
+def _config_class(model_type: str):
+    return getattr(transformers, FAMILIES[model_type][0])
+
+
+def _model_class(config: Any):
+    return getattr(transformers, _family(config)[1])
 
 
 def preset_names() -> list[str]:
@@ -254,9 +330,10 @@ def _normalize_preset_name(model: str) -> str:
     ``"Qwen/Qwen2.5-0.5B"`` → ``"qwen2.5-0.5b"``.
     """
     name = model.strip().lower()
-    if name.startswith("qwen/"):
-        name = name[len("qwen/") :]
-    return name
+    for prefix in _ORG_PREFIXES:
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+    return _ALIASES.get(name, name)
 
 
 def _presets_text() -> str:
@@ -311,13 +388,14 @@ def _config_from_dir(directory: Path) -> Qwen2Config:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"{config_file} has model_type {model_type!r}; supported model types: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)} (Qwen2 and Qwen2.5 checkpoints). "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (Qwen2/Qwen2.5, Qwen3, Llama, Mistral checkpoints). "
             f"Presets: {_presets_text()}."
         )
     try:
-        return Qwen2Config.from_dict(data)
+        return _config_class(model_type).from_dict(data)
     except Exception as exc:  # transformers 5.x raises huggingface_hub's StrictDataclass*Error here
-        raise ValueError(f"{config_file} is not a valid Qwen2 config: {exc}") from exc
+        name = FAMILIES[model_type][0].removesuffix("Config")  # Qwen2, Qwen3, Llama, Mistral
+        raise ValueError(f"{config_file} is not a valid {name} config: {exc}") from exc
 
 
 def resolve_model_config(model: str) -> Qwen2Config:
@@ -331,7 +409,8 @@ def resolve_model_config(model: str) -> Qwen2Config:
             ``config.json`` whose ``model_type`` is ``qwen2``.
 
     Returns:
-        A new :class:`transformers.Qwen2Config` with the preset's / directory's values.
+        A new config of the model's family (:data:`FAMILIES`; :class:`transformers.Qwen2Config` for Qwen2)
+        with the preset's / directory's values.
 
     Raises:
         ValueError: ``model`` is a directory without ``config.json``, with an unreadable or invalid one,
@@ -344,7 +423,8 @@ def resolve_model_config(model: str) -> Qwen2Config:
         return _config_from_dir(directory)
     name = _normalize_preset_name(model)
     if name in PRESETS:
-        return Qwen2Config(**PRESETS[name])
+        fields = dict(PRESETS[name])
+        return _config_class(fields.pop("model_type", "qwen2"))(**fields)
     raise ValueError(
         f"unknown model {model!r}: not a preset and not a directory. Presets: {_presets_text()}. "
         "A local Hugging Face model directory holding a config.json (model_type qwen2) is also accepted."
@@ -363,7 +443,7 @@ def _with_layers(config: Qwen2Config, layers: int) -> Qwen2Config:
     layer_types = data.get("layer_types")
     if isinstance(layer_types, list):
         data["layer_types"] = layer_types[:layers]
-    return Qwen2Config.from_dict(data)
+    return type(config).from_dict(data)
 
 
 def _transformers_major_minor() -> tuple[int, int]:
@@ -444,7 +524,7 @@ def build_model(
     if directory is not None and _has_weights(directory):
         source = "local-weights"
         # The config object (not num_hidden_layers=...) so that layer_types stays consistent (5.x).
-        net = Qwen2ForCausalLM.from_pretrained(
+        net = _model_class(config).from_pretrained(
             directory,
             config=config,
             attn_implementation=attn,
@@ -453,7 +533,7 @@ def build_model(
         )
     else:
         source = "local-random" if directory is not None else "preset"
-        net = Qwen2ForCausalLM._from_config(config, attn_implementation=attn, **dtype_kw)
+        net = _model_class(config)._from_config(config, attn_implementation=attn, **dtype_kw)
     net.config.use_cache = False
     net.eval()
 
@@ -495,7 +575,12 @@ def estimate_num_parameters(config: Any, *, layers: int | None = None) -> int:
     head_dim = getattr(config, "head_dim", None) or h // heads
     q = heads * head_dim
     kv = kv_heads * head_dim
-    per_layer = (h * q + q) + 2 * (h * kv + kv) + q * h + 3 * h * inter + 2 * h
+    _, _, norms, bias = _family(config)
+    per_layer = (h * q) + 2 * (h * kv) + q * h + 3 * h * inter + 2 * h
+    if bias:  # Qwen2's q/k/v projections have a bias
+        per_layer += q + 2 * kv
+    if norms == 4:  # Qwen3's q_norm and k_norm weights
+        per_layer += 2 * head_dim
     vocab = config.vocab_size
     lm_head = 0 if config.tie_word_embeddings else vocab * h
     return n_layers * per_layer + vocab * h + h + lm_head

@@ -176,14 +176,14 @@ def test_local_dir_with_weights_and_fewer_layers(weights_dir):
     assert torch.equal(loaded, original.model.layers[0].self_attn.q_proj.weight.to(torch.bfloat16))
 
 
-def test_non_qwen2_config_is_rejected_clearly(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+def test_unsupported_model_type_is_rejected_clearly(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 64}))
     for call in (lambda: resolve_model_config(str(tmp_path)),
                  lambda: build_model(str(tmp_path), layers=None, dtype=torch.float32, attn="sdpa")):
         with pytest.raises(ValueError) as excinfo:
             call()
         message = str(excinfo.value)
-        assert "'llama'" in message
+        assert "'bert'" in message
         assert "qwen2" in message
         assert ", ".join(sorted(PRESETS)) in message
 

@@ -211,3 +211,31 @@ def test_key_transpose_spellings(spelling):
         ), reason
     else:
         assert report.fusions == {"attention": 1} and _reasons([report], "attention") == []
+
+
+# --------------------------------------------------------------------------------------------------
+# check --autocast / --grad-checkpointing on a local tiny config (Qwen3: 4 RMSNorms per layer).
+# --------------------------------------------------------------------------------------------------
+
+
+def _tiny_dir(tmp_path, family="qwen3"):
+    config = transformers.Qwen3Config(hidden_size=96, intermediate_size=192, num_hidden_layers=LAYERS,
+                                      num_attention_heads=6, num_key_value_heads=2, head_dim=16, vocab_size=256)  # fmt: skip
+    config.save_pretrained(tmp_path / f"tiny-{family}")
+    return tmp_path / f"tiny-{family}"
+
+
+def test_check_autocast_on_qwen3(npu_ops, tmp_path, capsys):
+    import json
+
+    from qwen_npu_compile import cli
+
+    out = tmp_path / "result.json"
+    status = cli.main(["check", str(_tiny_dir(tmp_path)), "--seq-len", str(SEQ), "--batch", str(BATCH), "--autocast",
+                       "--attn", "eager", "--json", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    assert status == 0, capsys.readouterr().out
+    assert result["settings"]["autocast"] is True and result["settings"]["grad_checkpointing"] is False
+    assert {f: row["fused"] for f, row in result["fusions"].items()} == {
+        "rms_norm": 4 * LAYERS + 1, "swiglu": LAYERS, "rotary": 2 * LAYERS, "attention": LAYERS}
+    assert cli.main(["check", str(_tiny_dir(tmp_path)), "--autocast", "--dtype", "fp32"]) == 2

@@ -602,15 +602,51 @@ def _sdpa_functions(kv: str, mask: str, dropout: bool):
     return search_unmasked, replace_unmasked
 
 
+def eager_fully_masked_rows(query, key, value, attn_mask, scale, out):
+    """``out`` with every fully masked query row replaced by what HF's eager chain computes there.
+
+    On a row where every key is masked (left padding), ``scores + finfo.min`` is ``finfo.min`` for every
+    key (the scores are absorbed), so eager's fp32 softmax is exactly uniform and the row is the mean of
+    V, where ``npu_fusion_attention`` (like SDPA) gives 0. The gradient of that row in eager is the
+    softmax Jacobian at the uniform point, ``dS_j = (g·v_j - mean_k g·v_k) / S``, which still reaches q
+    and k (``+ mask`` passes the gradient through). With ``e(x) = x - x.detach()`` (value exactly 0), the
+    row equals ``mean(V) + scale/S · (q(KᵀV) - q̂(K̂ᵀV) - e(q·mean(K))·ΣV)`` in value and first
+    derivative: the linearised softmax, summed with ``KᵀV`` first, so it costs two ``[D, Dv]`` products
+    per query row instead of a second ``S×S`` attention. GQA: query head h reads KV head ``h // n_rep``.
+
+    Args:
+        query: ``[B, Nq, Sq, D]``; key ``[B, Nkv, Skv, D]``; value ``[B, Nkv, Skv, Dv]`` (un-repeated).
+        attn_mask: eager's additive mask (0 = attend), ``[B|1, 1|Nq, Sq, Skv]``.
+        scale: the scores' scale.
+        out: the fused attention, ``[B, Nq, Sq, Dv]``.
+
+    Returns:
+        ``[B, Nq, Sq, Dv]`` in ``out``'s dtype (computed in fp32).
+    """
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads, kv_len, v_dim = key.shape[1], key.shape[2], value.shape[-1]
+    fully_masked = (attn_mask != 0).all(dim=-1, keepdim=True)  # [B|1, 1|Nq, Sq, 1]
+    q = query.float().reshape(batch, kv_heads, (heads // kv_heads) * q_len, head_dim)  # grouped by KV head
+    k, v = key.float(), value.float()
+    linear = q @ (k.transpose(-2, -1) @ v) - q.detach() @ (k.detach().transpose(-2, -1) @ v)
+    q_k_mean = (q * k.mean(dim=-2, keepdim=True)).sum(dim=-1, keepdim=True)
+    v_sum = v.sum(dim=-2, keepdim=True)
+    rows = v_sum / kv_len + (scale / kv_len) * (linear - (q_k_mean - q_k_mean.detach()) * v_sum)
+    rows = rows.reshape(batch, heads, q_len, v_dim).to(out.dtype)
+    return torch.where(fully_masked, rows, out)
+
+
 def _eager_functions(kv: str, train: bool):
     def search(query, key, value, attn_mask, scale, dropout_p):
         return _eager(query, key, value, attn_mask, scale, dropout_p, kv=kv, train=train)
 
     def replace(query, key, value, attn_mask, scale, dropout_p):
         query, key, value = _autocast_cast(query, key, value)
-        return fused_attention(
+        out = fused_attention(
             query, key, value, attn_mask, scale=_scale_for(scale), dropout_p=dropout_p if train else 0.0
         )
+        # HF's eager softmax averages V on fully masked rows (left padding); the kernel gives 0 there
+        return eager_fully_masked_rows(query, key, value, attn_mask, _scale_for(scale), out)
 
     return search, replace
 

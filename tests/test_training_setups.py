@@ -239,3 +239,38 @@ def test_check_autocast_on_qwen3(npu_ops, tmp_path, capsys):
     assert {f: row["fused"] for f, row in result["fusions"].items()} == {
         "rms_norm": 4 * LAYERS + 1, "swiglu": LAYERS, "rotary": 2 * LAYERS, "attention": LAYERS}
     assert cli.main(["check", str(_tiny_dir(tmp_path)), "--autocast", "--dtype", "fp32"]) == 2
+
+
+# --------------------------------------------------------------------------------------------------
+# Item 4: eager attention with left padding: fully masked rows computed as eager computes them.
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eager_left_padding_matches_eager_on_every_row(dtype):
+    """3 leading pads in row 0, labels -100 on the pads (HF shifts them, so the last pad's logits still
+    predict the first real token): every logit row, padded ones included, and every gradient match eager
+    (fp32: rel-L2 <= 1e-5 logits, <= 1e-4 gradients; bf16: the fp32-reference bound)."""
+    model = tiny_qwen2(dtype=dtype, attn="eager", **ISSUE)
+    ids = _ids()
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[0, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+
+    def run(module, runner):
+        module.zero_grad(set_to_none=True)
+        out = runner(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        return out.logits.detach().float(), {n: p.grad.float().clone() for n, p in module.named_parameters()}
+
+    eager = run(model, model)
+    compiled = run(model, torch.compile(model, backend="qwen_npu"))
+    reports = list(SUMMARY.graphs)
+    assert _totals(reports) == {"rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS, "rotary": 2 * LAYERS, "attention": LAYERS}
+    if dtype == torch.float32:
+        assert _rel_l2(compiled[0], eager[0]) <= 1e-5
+        assert _rel_l2(_flat_grads(compiled[1]), _flat_grads(eager[1])) <= 1e-4
+    else:
+        reference = tiny_qwen2(dtype=torch.float32, attn="eager", **ISSUE)
+        reference.load_state_dict({n: p.float() for n, p in model.state_dict().items()})
+        assert_fp32_reference_bound(run(reference, reference), eager, compiled)

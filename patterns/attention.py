@@ -84,9 +84,9 @@ Meta kernel and torchair GE converter; :mod:`qwen_npu_compile.npu_ops.fusion_att
   with the 2048x2048 compressed mask. ``scale`` defaults to 1.0 in the op: always passed explicitly.
 - ``inner_precise=2`` with an explicit mask: left padding masks whole query rows, which only mode 2
   computes correctly. Such rows give 0, as PyTorch SDPA (>= 2.5) gives; HF's *eager* chain gives the mean
-  of V there instead (``finfo.min`` absorbs the scores, the softmax is uniform). Those rows are padding:
-  HF itself compares eager and sdpa on non-padded positions only (``test_eager_matches_sdpa_inference``);
-  the fused eager chain follows SDPA there.
+  of V there instead (``finfo.min`` absorbs the scores, the softmax is uniform), and its gradient still
+  reaches q and k, so the fused eager chain replaces those rows by exactly that
+  (:func:`eager_fully_masked_rows`: a linearised term summed as ``q(KᵀV)``, no second S×S attention).
 - ``keep_prob = 1 - dropout_p``. torchair's GE converter takes ``keep_prob == 1`` only and BSH/BNSD
   layouts only: dropout is refused when the downstream is torchair. The GE op FlashAttentionScore takes
   fp16/bf16 q/k/v only, so fp32 attention is refused for torchair too (the aclnn kernel that eager

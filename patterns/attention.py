@@ -623,16 +623,28 @@ def eager_fully_masked_rows(query, key, value, attn_mask, scale, out):
     Returns:
         ``[B, Nq, Sq, Dv]`` in ``out``'s dtype (computed in fp32).
     """
-    batch, heads, q_len, head_dim = query.shape
-    kv_heads, kv_len, v_dim = key.shape[1], key.shape[2], value.shape[-1]
-    fully_masked = (attn_mask != 0).all(dim=-1, keepdim=True)  # [B|1, 1|Nq, Sq, 1]
-    q = query.float().reshape(batch, kv_heads, (heads // kv_heads) * q_len, head_dim)  # grouped by KV head
+    batch, heads = query.shape[:2]
+    kv_heads = key.shape[1]
+    # Written for torchair: only ops it converts (aten.all.dim and amax have stub GE converters in
+    # torch_npu 2.13.0), no Python arithmetic on the symbolic key length, and no view that mixes the
+    # sequence length with another dim (torchair's optimize_view compares view dims, which pinned a
+    # dynamic S to 64 when S happened to equal D). The additive mask is 0 or finfo.min, so a row is
+    # fully masked when its maximum is not 0; 1/S comes from a tensor count; GQA repeats the small
+    # [D, Dv] / [1, D] / [1, Dv] summaries per query head, never q.
+    fully_masked = torch.max(attn_mask, dim=-1, keepdim=True).values != 0  # [B|1, 1|Nq, Sq, 1]
     k, v = key.float(), value.float()
-    linear = q @ (k.transpose(-2, -1) @ v) - q.detach() @ (k.detach().transpose(-2, -1) @ v)
-    q_k_mean = (q * k.mean(dim=-2, keepdim=True)).sum(dim=-1, keepdim=True)
-    v_sum = v.sum(dim=-2, keepdim=True)
-    rows = v_sum / kv_len + (scale / kv_len) * (linear - (q_k_mean - q_k_mean.detach()) * v_sum)
-    rows = rows.reshape(batch, heads, q_len, v_dim).to(out.dtype)
+
+    def per_query_head(t):  # [B, Nkv, a, b] -> [B, Nq, a, b], query head h reads KV head h // n_rep
+        return t[:, :, None].expand(batch, kv_heads, heads // kv_heads, *t.shape[2:]).reshape(batch, heads, *t.shape[2:])
+
+    q = query.float()
+    kv_len = per_query_head(torch.ones_like(v[..., :1]).sum(dim=-2, keepdim=True))  # [B, Nq, 1, 1]: S
+    k_t_v = per_query_head(k.transpose(-2, -1) @ v)  # [B, Nq, D, Dv]
+    k_t_v_detached = per_query_head(k.detach().transpose(-2, -1) @ v)
+    linear = q @ k_t_v - q.detach() @ k_t_v_detached
+    q_k_mean = (q * per_query_head(k.mean(dim=-2, keepdim=True))).sum(dim=-1, keepdim=True)  # [B, Nq, Sq, 1]
+    v_sum = per_query_head(v.sum(dim=-2, keepdim=True))  # [B, Nq, 1, Dv]
+    rows = ((v_sum + scale * (linear - (q_k_mean - q_k_mean.detach()) * v_sum)) / kv_len).to(out.dtype)
     return torch.where(fully_masked, rows, out)
 
 

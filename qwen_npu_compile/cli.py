@@ -502,6 +502,14 @@ def main(argv: list[str] | None = None) -> int:
         cause = exc.inner_exception if getattr(exc, "inner_exception", None) is not None else exc
         print(f"qwen-npu-compile: compile failed: {type(cause).__name__}: {cause}", file=sys.stderr)
         return 1
+    except torch.fx.experimental.symbolic_shapes.ConstraintViolationError as exc:
+        # --dynamic marked the sequence length dynamic and something specialised it (e.g. torchair's
+        # view optimisation when --seq-len equals a head or hidden size): a finding, not a crash.
+        first = str(exc).strip().splitlines()
+        print(f"qwen-npu-compile: --dynamic: the sequence length was specialised during the compile "
+              f"({' '.join(first[:2])}); try another --seq-len to see whether it is a size coincidence",
+              file=sys.stderr)
+        return 1
     print_table(result)
     if args.json_path is not None:
         args.json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -379,9 +379,32 @@ def remove_noop_slices(graph: torch.fx.Graph) -> int:
     return removed
 
 
+def remove_constant_detach_(graph: torch.fx.Graph) -> int:
+    """Erase ``aten.detach_`` of a ``lift_fresh_copy`` (make_fx's spelling of ``torch.tensor(0.125)``
+    created in the forward: a fresh copy of a real constant, which needs no grad, so ``detach_`` is a no-op).
+
+    Inductor's pattern matcher treats every in-place op as a mutation barrier and never matches across
+    one, so such a constant used inside a subgraph (a tensor ``variance_epsilon`` made in the norm's
+    forward) would otherwise split it.
+
+    Returns:
+        The number of ``detach_`` nodes removed.
+    """
+    removed = 0
+    for node in list(graph.find_nodes(op="call_function", target=aten.detach_.default)):
+        source = node.args[0] if node.args else None
+        if isinstance(source, torch.fx.Node) and source.target is aten.lift_fresh_copy.default:
+            node.replace_all_uses_with(source)
+            graph.erase_node(node)
+            removed += 1
+    return removed
+
+
 def normalize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Apply every normalisation in place (currently: :func:`remove_noop_casts`) and recompile."""
+    """Apply every normalisation in place (:func:`remove_noop_casts`, :func:`remove_constant_detach_`)
+    and recompile."""
     remove_noop_casts(gm.graph)
+    remove_constant_detach_(gm.graph)
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -94,7 +94,7 @@ def test_attention_scale_kinds(kind):
         ] * LAYERS
 
 
-@pytest.mark.parametrize("kind", ["input_0d"])
+@pytest.mark.parametrize("kind", ["constant_0d", "input_0d"])
 def test_rms_norm_tensor_epsilon(kind):
     """Qwen2RMSNorm's ``variance_epsilon`` as a tensor: read when constant (2L+1 fused), else refused."""
     model = tiny_qwen2(**ISSUE)

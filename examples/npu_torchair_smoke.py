@@ -25,6 +25,8 @@ import sys
 
 import torch
 
+from qwen_npu_compile.cli import positive_int
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 #: Largest accepted |loss_compiled - loss_eager| / |loss_eager| per step. Half precision: the fused
@@ -33,21 +35,15 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LOSS_RTOL = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 1e-2}
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Compile 2 Qwen2 layers with qwen_npu + torchair, train a few steps beside eager, compare losses.")
     parser.add_argument("--model", default="qwen2.5-0.5b", help="preset name or local HF model directory (default qwen2.5-0.5b)")
-    parser.add_argument("--layers", type=_positive_int, default=2, help="decoder layers (default 2)")
-    parser.add_argument("--steps", type=_positive_int, default=3, help="training steps (default 3)")
-    parser.add_argument("--batch", type=_positive_int, default=2, help="batch size (default 2)")
-    parser.add_argument("--seq-len", type=_positive_int, default=128, help="tokens per sequence (default 128)")
+    parser.add_argument("--layers", type=positive_int, default=2, help="decoder layers (default 2)")
+    parser.add_argument("--steps", type=positive_int, default=3, help="training steps (default 3)")
+    parser.add_argument("--batch", type=positive_int, default=2, help="batch size (default 2)")
+    parser.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence (default 128)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="parameter dtype (default bf16)")
     parser.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa", help="attn_implementation (default sdpa)")
     parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")

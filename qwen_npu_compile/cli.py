@@ -60,7 +60,12 @@ def expected_fusions(num_layers: int, families, rms_norms_per_layer: int = 2) ->
     return {family: per_family[family] for family in ALL_FAMILIES if family in families}
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse ``type`` for counts (layers, batch, steps): an int >= 1.
+
+    Raises:
+        argparse.ArgumentTypeError: not an int, or below 1.
+    """
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
@@ -79,9 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Build MODEL, run eager and qwen_npu-compiled forward (and backward), compare, print a verdict.",
     )
     check.add_argument("model", metavar="MODEL", help="a preset name (e.g. qwen2.5-0.5b) or a local HF model directory")
-    check.add_argument("--layers", type=_positive_int, default=None, help="decoder layers to build (default: all)")
-    check.add_argument("--batch", type=_positive_int, default=1, help="batch size (default 1)")
-    check.add_argument("--seq-len", type=_positive_int, default=64, help="tokens per sequence (default 64)")
+    check.add_argument("--layers", type=positive_int, default=None, help="decoder layers to build (default: all)")
+    check.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
+    check.add_argument("--seq-len", type=positive_int, default=64, help="tokens per sequence (default 64)")
     check.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="parameter dtype (default bf16)")
     check.add_argument("--mode", choices=("train", "infer"), default="train", help="train adds the backward (default)")
     check.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa", help="attn_implementation (default sdpa)")

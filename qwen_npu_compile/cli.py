@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--dynamic", action="store_true",
                        help="mark the sequence length dynamic (torch._dynamo.mark_dynamic(input_ids, 1)), as verl's "
                             "varying micro-batch lengths make it")
+    check.add_argument("--left-padding", type=int, default=0, metavar="N",
+                       help="give the first sequence N leading padding tokens (attention_mask 0, labels -100); "
+                            "logits are compared on real tokens (default 0: no attention_mask)")
     check.add_argument("--grad-checkpointing", action="store_true",
                        help="train with model.gradient_checkpointing_enable(use_reentrant=False), as HF Trainer does")
     check.add_argument("--autocast", action="store_true",
@@ -126,18 +129,41 @@ class _Stages:
         return seconds
 
 
-def _run(model, runner, input_ids, train: bool):
+def padded_inputs(input_ids, left_padding: int):
+    """``(attention_mask, labels)`` for ``input_ids`` ``[B, S]`` with ``left_padding`` leading pads in row 0.
+
+    Without padding: ``(None, input_ids)``. With it, labels are -100 wherever the token or the one it
+    is predicted from is padding (HF shifts labels by one).
+    """
+    if not left_padding:
+        return None, input_ids
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :left_padding] = 0
+    rows = attention_mask.bool()
+    previous = torch.cat([torch.zeros_like(rows[:, :1]), rows[:, :-1]], dim=1)
+    return attention_mask, input_ids.masked_fill(~(rows & previous), -100)
+
+
+def _run(model, runner, input_ids, train: bool, attention_mask=None, labels=None):
     """Run ``runner`` (``model`` or its compiled wrapper): forward, and backward of the LM loss.
 
+    With ``attention_mask`` (``[B, S]``, 0 = padding; see :func:`padded_inputs`) only the logits of
+    real tokens are returned: padded query rows are fully masked, where kernels legitimately differ
+    (HF's eager softmax averages V there, SDPA gives 0 or NaN), and real tokens never read them.
+
     Returns:
-        fp32 logits ``[B, S, V]`` and ``{parameter name of model: gradient}`` (empty in infer mode).
+        fp32 logits (``[B, S, V]``, or ``[real tokens, V]`` with a mask) and ``{parameter name of
+        model: gradient}`` (empty in infer mode).
     """
     model.zero_grad(set_to_none=True)
     with torch.set_grad_enabled(train):
-        out = runner(input_ids=input_ids, labels=input_ids if train else None, use_cache=False)
+        out = runner(input_ids=input_ids, attention_mask=attention_mask,
+                     labels=(input_ids if labels is None else labels) if train else None, use_cache=False)
         if train:
             out.loss.backward()
     logits = out.logits.detach().float()
+    if attention_mask is not None:
+        logits = logits[attention_mask.bool()]
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None} if train else {}
     return logits, grads
 
@@ -255,17 +281,20 @@ def run_check(args: argparse.Namespace) -> dict:
 
     generator = torch.Generator().manual_seed(1234)
     input_ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len), generator=generator)
+    if not 0 <= args.left_padding < args.seq_len:
+        raise ValueError(f"--left-padding must be >= 0 and below --seq-len {args.seq_len}, got {args.left_padding}")
+    attention_mask, labels = padded_inputs(input_ids, args.left_padding)
 
     stages.begin(f"eager {'forward + backward' if train else 'forward'}")
     with amp():
-        eager_logits, eager_grads = _run(model, model, input_ids, train)
+        eager_logits, eager_grads = _run(model, model, input_ids, train, attention_mask, labels)
     stages.end()
 
     reference = None
     if half:
         stages.begin("fp32 reference run of the same weights (the yardstick for half-precision parity)")
         fp32_model = copy.deepcopy(model).float()
-        reference = _run(fp32_model, fp32_model, input_ids, train)
+        reference = _run(fp32_model, fp32_model, input_ids, train, attention_mask, labels)
         del fp32_model
         stages.end()
 
@@ -273,21 +302,22 @@ def run_check(args: argparse.Namespace) -> dict:
     if args.dynamic:
         if args.seq_len < 2:
             raise ValueError("--dynamic needs --seq-len >= 2 (Dynamo specialises sizes 0 and 1)")
-        torch._dynamo.mark_dynamic(input_ids, 1)
+        for tensor in {id(t): t for t in (input_ids, attention_mask, labels) if t is not None}.values():
+            torch._dynamo.mark_dynamic(tensor, 1)
     stages.begin(f"compiling with backend='qwen_npu' ({status.kind} npu ops{', dynamic sequence length' if args.dynamic else ''}) "
                  "and running it once")
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="qwen_npu", options=options, dynamic=None if args.dynamic else False)
     start = time.perf_counter()
     with amp():
-        compiled_logits, compiled_grads = _run(model, compiled, input_ids, train)
+        compiled_logits, compiled_grads = _run(model, compiled, input_ids, train, attention_mask, labels)
     compile_seconds = time.perf_counter() - start
     stages.end()
 
     stages.begin("compiled run again (timing)")
     start = time.perf_counter()
     with amp():
-        compiled_logits, compiled_grads = _run(model, compiled, input_ids, train)
+        compiled_logits, compiled_grads = _run(model, compiled, input_ids, train, attention_mask, labels)
     steady_seconds = time.perf_counter() - start
     stages.end()
 
@@ -341,7 +371,7 @@ def run_check(args: argparse.Namespace) -> dict:
         "settings": {
             "batch": args.batch, "seq_len": args.seq_len, "dtype": args.dtype, "mode": args.mode,
             "attn": args.attn, "fusions": sorted(fusions), "downstream": downstream, "dynamic": args.dynamic,
-            "autocast": autocast, "grad_checkpointing": checkpointing,
+            "left_padding": args.left_padding, "autocast": autocast, "grad_checkpointing": checkpointing,
         },
         "versions": run_versions(status),
         "simulated": status.simulated,

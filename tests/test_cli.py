@@ -106,3 +106,22 @@ def test_fusions_default_comes_from_the_environment(npu_ops, tiny_model_dir, mon
     assert cli.main(["check", str(tiny_model_dir), "--mode", "infer", "--dtype", "fp32"]) == 0
     printed = capsys.readouterr().out
     assert "rms_norm           5         5  ok" in printed and "swiglu" not in printed.split("verdict")[0].split("family")[1].split("parity")[0]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_check_with_left_padding_and_dynamic_length(npu_ops, tiny_model_dir, tmp_path, attn, capsys):
+    """--left-padding: the mask and -100 labels reach the model; real-token logits and gradients match eager."""
+    out = tmp_path / "padded.json"
+    status = cli.main(["check", str(tiny_model_dir), "--dtype", "fp32", "--attn", attn, "--seq-len", "12",
+                       "--batch", "2", "--left-padding", "3", "--dynamic", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert status == 0, result["problems"]
+    assert result["settings"]["left_padding"] == 3 and result["settings"]["dynamic"] is True
+    assert {f: row["fused"] for f, row in result["fusions"].items()} == {"rms_norm": 5, "swiglu": 2, "rotary": 4, "attention": 2}
+    assert result["parity"]["logits"]["ok"] and result["parity"]["gradients"]["ok"]
+
+
+@pytest.mark.parametrize("padding", ["-1", "12"])
+def test_left_padding_must_leave_a_real_token(padding, capsys):
+    assert cli.main(["check", "qwen2.5-0.5b", "--seq-len", "12", "--left-padding", padding]) == 2
+    assert "--left-padding must be >= 0 and below --seq-len 12" in capsys.readouterr().err

@@ -3,7 +3,8 @@
 Runs ``qwen-npu-compile check qwen2.5-0.5b --layers 2 --downstream torchair`` (off-NPU: torchair's
 own converters from the torch_npu wheel that pairs with the installed torch, see
 ``qwen_npu_compile/torchair_offline``) once per combination of mode (train/infer), dtype (bf16/fp16),
-attention (sdpa/eager) and sequence length (static/``--dynamic``), each in its own process (importing
+attention (sdpa/eager) and sequence length (static/``--dynamic``), plus left-padded training runs
+(``--left-padding``), each in its own process (importing
 torchair patches torch for the whole process). Prints one line per run: the verdict, the fusion
 counts, the GE op counts, every refusal with its reason and every conversion failure; writes all
 results as JSON with ``--json``. Exit status 1 when any run fails (a conversion failure, a missing
@@ -11,7 +12,7 @@ fusion or parity), 0 otherwise.
 
     python tools/ge_matrix.py [--quick] [--json FILE]
 
-``--quick`` runs the 4 bf16/sdpa combinations only (the stack matrix uses it on older stacks).
+``--quick`` runs the 4 bf16/sdpa combinations and one padded run only (the stack matrix uses it on older stacks).
 
 The sequence length is 80, a size no dimension of the model has: torchair's view optimisation
 (``_ge_concrete_graph/continguous.py``, ``optimize_view``) compares view dims and pins a dynamic
@@ -35,19 +36,29 @@ SEQ_LEN = 80
 MODES, DTYPES, ATTNS, SHAPES = ("train", "infer"), ("bf16", "fp16"), ("sdpa", "eager"), ("static", "dynamic")
 
 
-def combinations(quick: bool) -> list[tuple[str, str, str, str]]:
+#: Leading padding tokens of the first sequence in the padded runs (``check --left-padding``).
+PADDING = 5
+
+
+def combinations(quick: bool) -> list[tuple[str, ...]]:
+    """(mode, dtype, attention, shape, padding) per run: every unpadded combination (or the 4 bf16/sdpa
+    ones with ``quick``), plus left-padded training runs (eager and sdpa; sdpa with a dynamic length)."""
+    padded = [("train", "bf16", "sdpa", "dynamic", "left_padding")]
     if quick:
-        return [(mode, "bf16", "sdpa", shape) for mode, shape in itertools.product(MODES, SHAPES)]
-    return list(itertools.product(MODES, DTYPES, ATTNS, SHAPES))
+        return [(mode, "bf16", "sdpa", shape, "no_padding") for mode, shape in itertools.product(MODES, SHAPES)] + padded
+    return [(*combo, "no_padding") for combo in itertools.product(MODES, DTYPES, ATTNS, SHAPES)] + padded + [
+        ("train", "bf16", "eager", "static", "left_padding")]
 
 
-def run_one(mode: str, dtype: str, attn: str, shape: str, folder: Path) -> dict:
+def run_one(mode: str, dtype: str, attn: str, shape: str, padding: str, folder: Path) -> dict:
     """One ``check`` run in its own process; returns its JSON result (or the error it printed)."""
-    out = folder / f"{mode}-{dtype}-{attn}-{shape}.json"
+    out = folder / f"{mode}-{dtype}-{attn}-{shape}-{padding}.json"
     command = [sys.executable, "-m", "qwen_npu_compile.cli", "check", "qwen2.5-0.5b", "--layers", "2", "--seq-len", str(SEQ_LEN),
                "--downstream", "torchair", "--mode", mode, "--dtype", dtype, "--attn", attn, "--json", str(out)]
     if shape == "dynamic":
         command.append("--dynamic")
+    if padding == "left_padding":
+        command += ["--left-padding", str(PADDING)]
     proc = subprocess.run(command, capture_output=True, text=True)
     if out.exists():
         result = json.loads(out.read_text())
@@ -76,7 +87,7 @@ def describe(result: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ge_matrix", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="the 4 bf16/sdpa combinations only")
+    parser.add_argument("--quick", action="store_true", help="the 4 bf16/sdpa combinations and one padded run only")
     parser.add_argument("--json", type=Path, default=None, help="write every run's result here")
     args = parser.parse_args(argv)
     runs = combinations(args.quick)

@@ -127,7 +127,7 @@ from qwen_npu_compile.fusion import (
     node_source,
 )
 from qwen_npu_compile.npu_ops.fusion_attention import GE_LAYOUTS, compressed_causal_mask, fusion_attention_violation
-from qwen_npu_compile.npu_ops.scalars import scalar_argument
+from qwen_npu_compile.npu_ops.scalars import constant_tensor_value, scalar_argument
 
 aten = torch.ops.aten
 F = torch.nn.functional
@@ -146,8 +146,6 @@ _VALUE_PRESERVING = (
 )  # fmt: skip
 _WHERE_OPS = (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar)
 _ZERO_FACTORIES = (aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default)
-#: Ops between a real tensor constant (``get_attr``) and its use that keep its value.
-_CONSTANT_PASSTHROUGH = (aten.lift_fresh_copy.default, aten.detach.default, aten.detach_.default, aten.alias.default)
 #: Constant-filled tensor factories -> the position of their fill value.
 _FULL_FACTORIES = {
     aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2, aten.scalar_tensor.default: 0,
@@ -357,10 +355,9 @@ def _constant(arg) -> float | None:
         return None
     # transformers 4.5x eager_mask: where(mask, torch.tensor(0.0), min); make_fx keeps the real scalar
     # as a get_attr constant behind lift_fresh_copy / detach_.
-    while arg.op == "call_function" and arg.target in _CONSTANT_PASSTHROUGH and isinstance(arg.args[0], torch.fx.Node):
-        arg = arg.args[0]
-    if arg.op == "get_attr":
-        return _scalar_constant(getattr(arg.graph.owning_module, arg.target, None))
+    constant = constant_tensor_value(arg)
+    if constant is not None:
+        return constant
     if arg.op != "call_function":
         return None
     if arg.target in _ZERO_FACTORIES:
@@ -370,16 +367,6 @@ def _constant(arg) -> float | None:
         value = arg.args[index] if len(arg.args) > index else arg.kwargs.get("fill_value", arg.kwargs.get("s"))
         return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
     return None
-
-
-def _scalar_constant(value) -> float | None:
-    """The value of a real (not fake) one-element floating-point tensor constant, else None."""
-    if not isinstance(value, torch.Tensor) or isinstance(value, torch._subclasses.FakeTensor):
-        return None
-    if value.numel() != 1 or not value.is_floating_point():
-        return None
-    with torch._subclasses.fake_tensor.unset_fake_temporarily():  # matching runs under the fake mode
-        return float(value.item())
 
 
 def _masks_exactly(value: float) -> bool:

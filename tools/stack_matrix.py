@@ -31,6 +31,7 @@ import dataclasses
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -218,7 +219,9 @@ def render_table(records: list[dict]) -> str:
         ran = [c for c in record["cases"] if c["outcome"] != "skipped"]
         cells = [_scope_cell([c for c in ran if _scope(c["id"]) == scope]) for scope in ("whole-model", "per-layer", "other")]
         ge = record.get("ge")
-        cells.append(f"{ge['passed']}/{ge['runs']} settings convert (torchair of torch_npu {', '.join(ge['torch_npu']) or '?'})"
+        # the release, not its .postN build: a new build on the registry must not make CI's table differ
+        releases = sorted({re.sub(r"\.post\d+$", "", version) for version in ge["torch_npu"]}) if ge else []
+        cells.append(f"{ge['passed']}/{ge['runs']} settings convert (torchair of torch_npu {', '.join(releases) or '?'})"
                      if ge else "not run")
         if "error" in record:
             cells = [f"error: {record['error'][:60]}", "—", "—", "—"]

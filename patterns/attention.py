@@ -40,8 +40,7 @@ training, else 0):
    attend) is built once per forward, from the padding mask or (5.x) from position_ids' packed-sequence
    detection, and shared by every layer; repeat_kv on k and v; ``is_causal=False``.
 2. SDPA with ``use_cache=True`` (DynamicCache) and no padding: prefill ``attn_mask=None, is_causal=True,
-   enable_gqa=True``, decode (q_len 1) ``attn_mask=None, is_causal=False, enable_gqa=True``; no repeat_kv
-   (transformers 4.57 on an Ascend host repeats K/V instead: ``use_gqa_in_sdpa`` is False on NPU).
+   enable_gqa=True``, decode (q_len 1) ``attn_mask=None, is_causal=False, enable_gqa=True``; no repeat_kv.
    With padding the cache graphs are shape 1 with k/v from the cache's ``cat``.
 3. Eager: the chain above with the additive mask ``where(bool_mask, 0, finfo(dtype).min)`` (shared),
    ``aten.dropout`` always present (``train=False`` in eval), and no ``to`` cast in fp32 (a no-op, removed).
@@ -219,40 +218,24 @@ SPELLINGS: tuple[Spelling, ...] = (
              "on 4.57), or per-layer compile with padding; static shapes"),
     Spelling(_SDPA, "repeat_kv", "mask", True, _FP32,
              "the same in training with config.attention_dropout > 0"),
-    # Per-layer compile (maybe_compile, the verl hook, the Trainer callback): the mask is built eagerly,
-    # outside the layer, and is None without padding; transformers 4.57 on an Ascend host then repeats
-    # K/V (use_gqa_in_sdpa is False on NPU).
-    Spelling(_SDPA, "repeat_kv", "causal", False, _FP32,
-             "transformers 4.57 on an Ascend host, per-layer compile without padding: attn_mask=None, "
-             "is_causal=True (training, or cache prefill)"),
-    Spelling(_SDPA, "repeat_kv", "causal", True, _FP32,
-             "the same in training with config.attention_dropout > 0"),
-    Spelling(_SDPA, "repeat_kv", "none", False, _FP32,
-             "transformers 4.57 on an Ascend host, per-layer compile, KV-cache decode (q_len 1) without padding"),
     # Symbolic S (dynamic=True, or Dynamo's automatic dynamic after a second length): repeat_kv's
     # [:, :, None] leaves a full slice on dim 3 inside the chain.
     Spelling(_SDPA, "repeat_kv_symbolic", "mask", False, _FP32,
              "as sdpa_mask_repeat_kv under a symbolic sequence length"),
     Spelling(_SDPA, "repeat_kv_symbolic", "mask", True, _FP32,
              "the same in training with config.attention_dropout > 0"),
-    Spelling(_SDPA, "repeat_kv_symbolic", "causal", False, _FP32,
-             "as sdpa_causal_repeat_kv under a symbolic sequence length"),
-    Spelling(_SDPA, "repeat_kv_symbolic", "causal", True, _FP32,
-             "the same in training with config.attention_dropout > 0"),
-    Spelling(_SDPA, "repeat_kv_symbolic", "none", False, _FP32,
-             "as sdpa_none_repeat_kv from the second decode step (the KV-cache length turns symbolic)"),
     # --- SDPA, GQA with enable_gqa=True (use_gqa_in_sdpa: no mask, head_dim <= 256) -----------------
     Spelling(_SDPA, "gqa", "mask", False, _FP32,
              "TRANSFORMERS_SDPA_FORCE_GQA=1 (transformers 5.x): enable_gqa=True even with a mask"),
     Spelling(_SDPA, "gqa", "mask", True, _FP32,
              "the same in training with config.attention_dropout > 0"),
     Spelling(_SDPA, "gqa", "causal", False, _FP32,
-             "GQA, sdpa, no mask and q_len > 1 (transformers 5.x, or 4.57 off NPU): whole-model KV-cache "
-             "prefill without padding, or per-layer compile without padding"),
+             "GQA, sdpa, transformers 5.x, no mask and q_len > 1: whole-model KV-cache prefill without "
+             "padding, or per-layer compile without padding"),
     Spelling(_SDPA, "gqa", "causal", True, _FP32,
              "per-layer compile without padding in training with config.attention_dropout > 0"),
     Spelling(_SDPA, "gqa", "none", False, _FP32,
-             "GQA, sdpa, KV-cache decode (q_len 1) without padding (transformers 5.x, or 4.57 off NPU)"),
+             "GQA, sdpa, transformers 5.x, KV-cache decode (q_len 1) without padding"),
     # --- SDPA, MHA (Nq == Nkv: Qwen1.5 checkpoints on modeling_qwen2, GPT-2, ViT) -------------------
     Spelling(_SDPA, "mha", "mask", False, _FP32,
              "MHA, sdpa, whole-model compile without a KV cache, or any padded forward"),
@@ -288,9 +271,15 @@ SPELLINGS: tuple[Spelling, ...] = (
     Spelling(_EAGER, "mha", "additive", True, _FP32, "MHA, eager, fp32 or autocast training (any S: no repeat_kv)"),
     Spelling(_EAGER, "mha", "additive", False, _FP32, "MHA, eager, fp32 eval"),
 )  # fmt: skip
-# No "none" row with dropout: a call with dropout_p and no mask carries attn_mask=None positionally
-# (dropout_p follows it), so the "mask" rows with dropout, registered first, bind attn_mask=None and fuse
-# it (a non-causal encoder such as ViT training with attention dropout, or F.sdpa(q, k, v, dropout_p=p)).
+# Not in the table:
+# - repeat_kv with attn_mask=None (is_causal or decode). transformers 5.x passes enable_gqa instead whenever
+#   there is no mask (head_dim <= 256: every supported family); 4.57 repeats K/V on an Ascend host
+#   (use_gqa_in_sdpa is False on NPU), but it always builds a mask for a compiled forward (whole-model,
+#   and per-layer training: measured), and per-layer compile runs cache-using layers eagerly. Such a graph
+#   (head_dim > 256 on 5.x) is a near miss with its reason, not a wrong fusion.
+# - SDPA with no mask, is_causal=False and dropout: such a call carries attn_mask=None positionally
+#   (dropout_p follows it), so the "mask" rows with dropout, registered first, bind attn_mask=None and
+#   fuse it (a non-causal encoder such as ViT training with attention dropout, F.sdpa(q, k, v, dropout_p=p)).
 
 
 # --------------------------------------------------------------------------------------------------

@@ -151,6 +151,10 @@ _REPEAT_KV_ENDS = (aten.reshape.default, aten.view.default, aten._unsafe_view.de
 # --------------------------------------------------------------------------------------------------
 
 
+_SDPA, _EAGER = "sdpa", "eager"
+_FP32, _BF16, _FP16 = torch.float32, torch.bfloat16, torch.float16
+
+
 @dataclasses.dataclass(frozen=True)
 class Spelling:
     """One row of :data:`SPELLINGS`: one way a captured graph spells attention, and what produces it.
@@ -181,7 +185,7 @@ class Spelling:
 
     @property
     def name(self) -> str:
-        if self.impl == "sdpa":
+        if self.impl == _SDPA:
             return f"sdpa_{self.mask}_{self.kv}{'_dropout' if self.dropout else ''}"
         dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[self.dtype]
         return f"eager_{self.kv}_{dtype}_{'train' if self.dropout else 'infer'}"
@@ -189,18 +193,15 @@ class Spelling:
     @property
     def anchor_ops(self) -> tuple:
         """The op of this spelling that the canonical graph always holds (lazy registration keys on it)."""
-        return (aten.scaled_dot_product_attention.default,) if self.impl == "sdpa" else (aten.softmax.int,)
+        return (aten.scaled_dot_product_attention.default,) if self.impl == _SDPA else (aten.softmax.int,)
 
     @property
     def parameters(self) -> tuple[str, ...]:
         """The pattern's inputs, in order: exactly those the traced subgraph uses (an unused one breaks it)."""
         mask = ("attn_mask",) if self.mask in ("mask", "additive") else ()
-        dropout = ("dropout_p",) if self.impl == "eager" or self.dropout else ()
+        dropout = ("dropout_p",) if self.impl == _EAGER or self.dropout else ()
         return ("query", "key", "value", *mask, "scale", *dropout)
 
-
-_SDPA, _EAGER = "sdpa", "eager"
-_FP32, _BF16, _FP16 = torch.float32, torch.bfloat16, torch.float16
 
 #: Every spelling, in registration order. Among variants of one output op the matcher tries them in
 #: this order: the GQA forms (K/V swallowed un-repeated) come before "mha", which would match a
@@ -648,8 +649,10 @@ def _examples(row: Spelling):
 
 
 def _variant(row: Spelling) -> PatternVariant:
+    """The :class:`~qwen_npu_compile.fusion.PatternVariant` of one table row (its exact pattern traced here)."""
     search_fn, examples = _search_fn(row), _examples(row)
-    scalar_workaround = {name: value for name, value in (("scale", _SCALE), ("dropout_p", _DROPOUT_P)) if name in row.parameters}
+    magic = {"scale": _SCALE, "dropout_p": _DROPOUT_P}
+    scalar_workaround = {name: value for name, value in magic.items() if name in row.parameters}
     return PatternVariant(
         name=row.name,
         search_fn=search_fn,

@@ -152,4 +152,6 @@ def test_dropout_without_a_mask_is_fused_by_the_mask_rows(recording_pass, monkey
         return sdpa_attention_forward(module, q, k, v, None, dropout=0.1, scaling=0.25)[0]
 
     torch.compile(attention_fn, backend=backend, fullgraph=True)(*(torch.randn(2, 4, 8, 16) for _ in range(3)))
-    assert counts == [1] and ACCEPTED == ["sdpa_mask_mha_dropout"]
+    # transformers 4.57 passes enable_gqa=True without a mask even when Nq == Nkv (5.x only for GQA), which
+    # the gqa row takes: the same replacement for un-repeated K/V
+    assert counts == [1] and ACCEPTED in (["sdpa_mask_mha_dropout"], ["sdpa_mask_gqa_dropout"])

@@ -63,6 +63,7 @@ def recording_pass(npu_ops):
 def _setting(row, monkeypatch):
     """``(fn, args, symbolic)``: transformers' attention function of ``row.impl`` in the row's setting."""
     from transformers.integrations import sdpa_attention
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
 
     n_rep = 1 if row.kv == "mha" else 2
@@ -84,7 +85,6 @@ def _setting(row, monkeypatch):
         mask = torch.where(keep, torch.zeros((), dtype=q.dtype), torch.finfo(q.dtype).min)  # masking_utils.eager_mask
         return eager_attention_forward(module, q, k, v, mask, scaling=0.25, dropout=0.0)[0]
 
-    sdpa_attention_forward = sdpa_attention.sdpa_attention_forward
     return (sdpa if row.impl == "sdpa" else eager), (q, k, v, keep), row.kv == "repeat_kv_symbolic"
 
 

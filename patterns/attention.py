@@ -30,8 +30,11 @@ Mirrors transformers 5.x (checked on 5.24.0) ``integrations/sdpa_attention.py`` 
         attn_output = torch.matmul(attn_weights, value_states)
         return attn_output.transpose(1, 2).contiguous(), attn_weights
 
-What captured Qwen2 graphs hold (torch 2.13, transformers 5.24; q is ``rotary(linear.view.transpose)``,
-BNSD shape over BSND memory; dropout is ``attention_dropout`` in training, else 0):
+Each way a captured graph spells this is one row of :data:`SPELLINGS` (the variant table: which
+transformers version, attention implementation and setting produces it); :func:`_variant` turns a row
+into a :class:`~qwen_npu_compile.fusion.PatternVariant`. In short (torch 2.13, transformers 5.24; q is
+``rotary(linear.view.transpose)``, BNSD shape over BSND memory; dropout is ``attention_dropout`` in
+training, else 0):
 
 1. SDPA, no KV cache, with or without ``attention_mask``: an explicit bool mask ``[B,1,S,S]`` (True =
    attend) is built once per forward, from the padding mask or (5.x) from position_ids' packed-sequence
@@ -44,7 +47,7 @@ BNSD shape over BSND memory; dropout is ``attention_dropout`` in training, else 
 
 Under ``dynamic=True`` repeat_kv's ``[:, :, None]`` indexing leaves full ``aten.slice`` nodes on the
 symbolic dims: the one on dim 0 precedes the unsqueeze (it is the pattern's k/v input, a no-op view), the
-one on dim 3 (S) sits inside repeat_kv and gets its own variants. With n_rep == 1 (MHA) there is no
+one on dim 3 (S) sits inside repeat_kv and gets its own rows. With n_rep == 1 (MHA) there is no
 repeat_kv at all. (N and D come from the config and stay static in model graphs; a hand-made graph with
 symbolic head counts or head dims has slices on those dims too and is refused with a reason.)
 
@@ -72,50 +75,47 @@ backward) with ``sparse_mode=2``; the eager chain gets ``atten_mask = mask != 0`
 dense BSND (the KV cache's ``cat`` outputs are BNSD-contiguous) take ``'BNSD'`` and ``.contiguous()``.
 
 Constraints (``shared/reference/npu-op-contracts.md``; torch_npu 2.13.0 ``npu_fusion_attention`` docs,
-Meta kernel and torchair GE converter; :mod:`qwen_npu_compile.npu_ops.fusion_attention`):
+Meta kernel and torchair GE converter). Every limit of the op lives in
+:func:`~qwen_npu_compile.npu_ops.fusion_attention.fusion_attention_violation`; what the masks need lives
+in :mod:`.attention_mask`. This module adds what the *rewrite* needs:
 
-- q, k, v one dtype, fp16/bf16/fp32; Dq == Dk <= 768 (``MAX_HEAD_DIM``), Dv <= Dk; Nq <= 256;
-  ``head_num`` = Nq and Nq % Nkv == 0 (native GQA: query head h reads kv head h // n_rep, which is what
-  repeat_kv builds; n_rep is taken from the shapes and re-checked against the matched expand).
-- ``atten_mask`` is bool with **True = masked out**: SDPA's bool mask (True = attend) becomes
-  ``logical_not(mask)``; an additive float mask becomes ``mask != 0``, which is exact only for HF's
-  ``where(bool, 0, finfo.min | -inf)``: any other float mask is refused (:func:`check_additive_mask`).
-  Mask shapes BNSS, B1SS, 11SS, SS only. ``is_causal`` (left-up, as in PyTorch) is ``sparse_mode=2``
-  with the 2048x2048 compressed mask. ``scale`` defaults to 1.0 in the op: always passed explicitly.
+- ``head_num`` = Nq and native GQA (query head h reads kv head h // n_rep, which is what repeat_kv
+  builds): n_rep is taken from the shapes and re-checked against the matched expand
+  (:func:`_repeat_kv_reason`).
+- ``atten_mask`` is bool with **True = masked out** (:func:`.attention_mask.masked_out`); an additive
+  float mask must be provably 0 / ``finfo.min`` (:func:`.attention_mask.check_additive_mask`).
+  ``is_causal`` (left-up, as in PyTorch) is ``sparse_mode=2`` with the 2048x2048 compressed mask.
+  ``scale`` defaults to 1.0 in the op: always passed explicitly, as a Python float
+  (:func:`~qwen_npu_compile.npu_ops.scalars.scalar_argument`).
 - ``inner_precise=2`` with an explicit mask: left padding masks whole query rows, which only mode 2
   computes correctly. Such rows give 0, as PyTorch SDPA (>= 2.5) gives; HF's *eager* chain gives the mean
-  of V there instead (``finfo.min`` absorbs the scores, the softmax is uniform), and its gradient still
-  reaches q and k, so the fused eager chain replaces those rows by exactly that
-  (:func:`eager_fully_masked_rows`: a linearised term summed as ``q(KᵀV)``, no second S×S attention).
-- ``keep_prob = 1 - dropout_p``. torchair's GE converter takes ``keep_prob == 1`` only and BSH/BNSD
-  layouts only: dropout is refused when the downstream is torchair. The GE op FlashAttentionScore takes
-  fp16/bf16 q/k/v only, so fp32 attention is refused for torchair too (the aclnn kernel that eager
-  torch_npu and the other downstreams call takes fp32, so they still fuse it). Every limit of the op
-  lives in :func:`~qwen_npu_compile.npu_ops.fusion_attention.fusion_attention_violation`. It is refused too when the ops are
-  the simulated stand-ins, whose dropout mask is a fixed function of (shape, seed=0, offset=0): every
-  layer and every step would drop the same positions, silently making training dropout deterministic
-  (the real kernel draws a fresh Philox seed per call). Only real ops with a non-GE downstream fuse it.
+  of V there instead, so the fused eager chain replaces those rows by exactly that
+  (:func:`.attention_mask.eager_fully_masked_rows`).
+- ``keep_prob = 1 - dropout_p``: dropout is refused for torchair (its GE converter takes ``keep_prob == 1``
+  only) and for the simulated stand-ins, whose dropout mask is a fixed function of (shape, seed=0,
+  offset=0): every layer and every step would drop the same positions, silently making training dropout
+  deterministic (the real kernel draws a fresh Philox seed per call). Only real ops with a non-GE
+  downstream fuse it.
 - The kernel needs contiguous inputs (vllm-ascend #2388, #11834): when q, k and v are all dense BSND in
   memory (linear -> view -> transpose, or ``npu_rotary_mul(bsnd).transpose(1, 2)``) the rewrite uses
   ``BSH`` views of them, with no copy; otherwise ``BNSD`` with ``.contiguous()`` (a no-op for the KV
   cache's ``cat`` outputs).
 
-The anchors are ``aten.scaled_dot_product_attention`` and the eager chain's ``aten.softmax.int``.
+The anchors are ``aten.scaled_dot_product_attention`` (SDPA rows) and the eager chain's
+``aten.softmax.int`` (eager rows).
 """
 
 from __future__ import annotations
 
 import contextvars
-import inspect
+import dataclasses
 import math
 import sys
 
 import torch
 import torch.fx
-from torch._inductor import pattern_matcher as pm
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from qwen_npu_compile.canonicalize import trace_pattern
 from qwen_npu_compile.compat import guard_or_false
 from qwen_npu_compile.fusion import (
     CompileTarget,
@@ -123,11 +123,15 @@ from qwen_npu_compile.fusion import (
     FusionFamily,
     PatternVariant,
     current_target,
+    exact_pattern,
     meta_val,
     node_source,
+    with_parameters,
 )
 from qwen_npu_compile.npu_ops.fusion_attention import GE_LAYOUTS, compressed_causal_mask, fusion_attention_violation
-from qwen_npu_compile.npu_ops.scalars import constant_tensor_value, scalar_argument
+from qwen_npu_compile.npu_ops.scalars import scalar_argument
+
+from .attention_mask import check_additive_mask, eager_fully_masked_rows, masked_out, share_mask_conversions
 
 aten = torch.ops.aten
 F = torch.nn.functional
@@ -139,32 +143,144 @@ _SCALE, _DROPOUT_P = 0.171717, 0.113377
 #: The only two layouts torchair's GE converter accepts; BSH when q, k, v are dense BSND in memory.
 _LAYOUT_BSH, _LAYOUT_BNSD = "BSH", "BNSD"
 assert {_LAYOUT_BSH, _LAYOUT_BNSD} == set(GE_LAYOUTS)
-#: Ops that keep the set of values of an additive mask (views, copies, casts) between it and its where.
-_VALUE_PRESERVING = (
-    aten.alias.default, aten.clone.default, aten.contiguous.default, aten.expand.default, aten.reshape.default,
-    aten.slice.Tensor, aten.to.dtype, aten.unsqueeze.default, aten.view.default, aten._to_copy.default,
-)  # fmt: skip
-_WHERE_OPS = (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar)
-_ZERO_FACTORIES = (aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default)
-#: Constant-filled tensor factories -> the position of their fill value.
-_FULL_FACTORIES = {
-    aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2, aten.scalar_tensor.default: 0,
-}  # fmt: skip
 _REPEAT_KV_ENDS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 
-#: How k/v reach the attention; each needs its own variant (``why`` in :meth:`AttentionFamily.iter_variants`).
-KV_FORMS = {
-    "repeat_kv": "repeat_kv (unsqueeze/expand/reshape) on k and v, static S: swallowed, K/V passed un-repeated",
-    "repeat_kv_symbolic": "repeat_kv under a symbolic S, where [:, :, None] leaves a full slice on dim 3",
-    "gqa": "enable_gqa=True: transformers skips repeat_kv when there is no mask (use_gqa_in_sdpa)",
-    "mha": "Nq == Nkv: repeat_kv returns its input (registered last; refuses repeated K/V)",
-}
-#: The SDPA mask arguments transformers passes.
-SDPA_MASKS = {
-    "mask": "an explicit mask (bool; float if verified), is_causal=False: no cache, or padding",
-    "causal": "attn_mask=None, is_causal=True: prefill with a KV cache and no padding",
-    "none": "attn_mask=None, is_causal=False: decode (q_len 1) with a KV cache and no padding",
-}
+
+# --------------------------------------------------------------------------------------------------
+# The variant table: one row per spelling a realistic graph shows.
+# --------------------------------------------------------------------------------------------------
+
+
+_SDPA, _EAGER = "sdpa", "eager"
+_FP32, _BF16, _FP16 = torch.float32, torch.bfloat16, torch.float16
+
+
+@dataclasses.dataclass(frozen=True)
+class Spelling:
+    """One row of :data:`SPELLINGS`: one way a captured graph spells attention, and what produces it.
+
+    Attributes:
+        impl: ``"sdpa"`` (``F.scaled_dot_product_attention``) or ``"eager"`` (``eager_attention_forward``).
+        kv: how k/v reach the attention: ``"repeat_kv"`` (HF ``repeat_kv``, static S; swallowed, K/V passed
+            un-repeated), ``"repeat_kv_symbolic"`` (the same under a symbolic S, where ``[:, :, None]``
+            leaves a full slice on dim 3), ``"gqa"`` (``enable_gqa=True``, no repeat_kv) or ``"mha"``
+            (Nq == Nkv: ``repeat_kv`` returns its input).
+        mask: SDPA: ``"mask"`` (``attn_mask`` given, ``is_causal=False``), ``"causal"`` (``attn_mask=None,
+            is_causal=True``) or ``"none"`` (``attn_mask=None, is_causal=False``); eager: ``"additive"``.
+        dropout: SDPA: ``dropout_p`` is a pattern input (a nonzero literal in training graphs; omitted from
+            the call at 0); eager: ``F.dropout``'s ``training`` flag (``aten.dropout`` is always in the
+            graph, with ``p`` as a pattern input, and ``training`` decides what ``p`` means).
+        dtype: the dtype the pattern is traced in. SDPA graphs have no casts, so fp32 covers every
+            dtype; eager casts the fp32 softmax back to q's dtype, a literal baked into the pattern
+            (bf16, fp16) or a no-op removed in fp32 graphs.
+        why: the model code, transformers version and setting that produces this spelling.
+    """
+
+    impl: str
+    kv: str
+    mask: str
+    dropout: bool
+    dtype: torch.dtype
+    why: str
+
+    @property
+    def name(self) -> str:
+        if self.impl == _SDPA:
+            return f"sdpa_{self.mask}_{self.kv}{'_dropout' if self.dropout else ''}"
+        dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[self.dtype]
+        return f"eager_{self.kv}_{dtype}_{'train' if self.dropout else 'infer'}"
+
+    @property
+    def anchor_ops(self) -> tuple:
+        """The op of this spelling that the canonical graph always holds (lazy registration keys on it)."""
+        return (aten.scaled_dot_product_attention.default,) if self.impl == _SDPA else (aten.softmax.int,)
+
+    @property
+    def parameters(self) -> tuple[str, ...]:
+        """The pattern's inputs, in order: exactly those the traced subgraph uses (an unused one breaks it)."""
+        mask = ("attn_mask",) if self.mask in ("mask", "additive") else ()
+        dropout = ("dropout_p",) if self.impl == _EAGER or self.dropout else ()
+        return ("query", "key", "value", *mask, "scale", *dropout)
+
+
+#: Every spelling, in registration order. Among variants of one output op the matcher tries them in
+#: this order: the GQA forms (K/V swallowed un-repeated) come before "mha", which would match a
+#: repeat_kv output as plain K/V (its check refuses that anyway). Scale (and dropout) are literals in
+#: static graphs and graph inputs under dynamic=True: scalar_workaround, never baked in.
+SPELLINGS: tuple[Spelling, ...] = (
+    # Columns: impl, kv, mask, dropout, dtype, why (the setting that produces it: see the per-row test,
+    # tests/test_attention_variants.py, which compiles transformers' own attention function in it).
+    #
+    # --- SDPA (transformers integrations/sdpa_attention.py), GQA with K/V repeated -------------------
+    # Whole-model compile builds an explicit bool mask for every forward without a KV cache (5.x: the
+    # packed-sequence mask even without padding; 4.57: under compile always), padded or not.
+    Spelling(_SDPA, "repeat_kv", "mask", False, _FP32,
+             "GQA Qwen2/Qwen3/Llama/Mistral, sdpa, whole-model compile (training, eval, cached generation "
+             "on 4.57), or per-layer compile with padding; static shapes"),
+    Spelling(_SDPA, "repeat_kv", "mask", True, _FP32,
+             "the same in training with config.attention_dropout > 0"),
+    # Symbolic S (dynamic=True, or Dynamo's automatic dynamic after a second length): repeat_kv's
+    # [:, :, None] leaves a full slice on dim 3 inside the chain.
+    Spelling(_SDPA, "repeat_kv_symbolic", "mask", False, _FP32,
+             "as sdpa_mask_repeat_kv under a symbolic sequence length"),
+    Spelling(_SDPA, "repeat_kv_symbolic", "mask", True, _FP32,
+             "the same in training with config.attention_dropout > 0"),
+    # --- SDPA, GQA with enable_gqa=True (use_gqa_in_sdpa: no mask, head_dim <= 256) -----------------
+    Spelling(_SDPA, "gqa", "mask", False, _FP32,
+             "TRANSFORMERS_SDPA_FORCE_GQA=1 (transformers 5.x): enable_gqa=True even with a mask"),
+    Spelling(_SDPA, "gqa", "mask", True, _FP32,
+             "the same in training with config.attention_dropout > 0"),
+    Spelling(_SDPA, "gqa", "causal", False, _FP32,
+             "GQA, sdpa, transformers 5.x, no mask and q_len > 1: whole-model KV-cache prefill without "
+             "padding, or per-layer compile without padding"),
+    Spelling(_SDPA, "gqa", "causal", True, _FP32,
+             "per-layer compile without padding in training with config.attention_dropout > 0"),
+    Spelling(_SDPA, "gqa", "none", False, _FP32,
+             "GQA, sdpa, transformers 5.x, KV-cache decode (q_len 1) without padding"),
+    # --- SDPA, MHA (Nq == Nkv: Qwen1.5 checkpoints on modeling_qwen2, GPT-2, ViT) -------------------
+    Spelling(_SDPA, "mha", "mask", False, _FP32,
+             "MHA, sdpa, whole-model compile without a KV cache, or any padded forward"),
+    Spelling(_SDPA, "mha", "mask", True, _FP32,
+             "the same in training with config.attention_dropout > 0"),
+    Spelling(_SDPA, "mha", "causal", False, _FP32,
+             "MHA, sdpa, no mask and q_len > 1: KV-cache prefill without padding, GPT-2 training"),
+    Spelling(_SDPA, "mha", "causal", True, _FP32,
+             "GPT-2 training (attn_pdrop 0.1 by default); MHA per-layer training with attention dropout"),
+    Spelling(_SDPA, "mha", "none", False, _FP32,
+             "MHA, sdpa, KV-cache decode (q_len 1) without padding; a non-causal encoder (ViT) in eval"),
+    # --- Eager (modeling_qwen2.eager_attention_forward), always with the additive mask --------------
+    # The dtype is the compute dtype: bf16 = model.to(bfloat16) or FSDP MixedPrecision(param_dtype=bf16)
+    # (verl's default); fp16 = the same in float16 (Ascend 910A has no bf16); fp32 = fp32 weights, also
+    # under torch.autocast (the rotary promotes q/k to fp32, so the cast back is a no-op).
+    Spelling(_EAGER, "repeat_kv", "additive", True, _BF16, "GQA, eager, bf16 training, static shapes"),
+    Spelling(_EAGER, "repeat_kv", "additive", False, _BF16, "GQA, eager, bf16 eval or generation"),
+    Spelling(_EAGER, "repeat_kv", "additive", True, _FP16, "GQA, eager, fp16 training"),
+    Spelling(_EAGER, "repeat_kv", "additive", False, _FP16, "GQA, eager, fp16 eval or generation"),
+    Spelling(_EAGER, "repeat_kv", "additive", True, _FP32, "GQA, eager, fp32 training, or autocast training"),
+    Spelling(_EAGER, "repeat_kv", "additive", False, _FP32, "GQA, eager, fp32 eval or generation"),
+    Spelling(_EAGER, "repeat_kv_symbolic", "additive", True, _BF16, "GQA, eager, bf16 training, symbolic S"),
+    Spelling(_EAGER, "repeat_kv_symbolic", "additive", False, _BF16, "GQA, eager, bf16 eval, symbolic S"),
+    Spelling(_EAGER, "repeat_kv_symbolic", "additive", True, _FP16, "GQA, eager, fp16 training, symbolic S"),
+    Spelling(_EAGER, "repeat_kv_symbolic", "additive", False, _FP16, "GQA, eager, fp16 eval, symbolic S"),
+    Spelling(_EAGER, "repeat_kv_symbolic", "additive", True, _FP32, "GQA, eager, fp32 training, symbolic S"),
+    Spelling(_EAGER, "repeat_kv_symbolic", "additive", False, _FP32,
+             "GQA, eager, fp32 eval, symbolic S (also the cache length from the second decode step)"),
+    Spelling(_EAGER, "mha", "additive", True, _BF16, "MHA (Qwen1.5 on modeling_qwen2), eager, bf16 training"),
+    Spelling(_EAGER, "mha", "additive", False, _BF16, "MHA, eager, bf16 eval"),
+    Spelling(_EAGER, "mha", "additive", True, _FP16, "MHA, eager, fp16 training"),
+    Spelling(_EAGER, "mha", "additive", False, _FP16, "MHA, eager, fp16 eval"),
+    Spelling(_EAGER, "mha", "additive", True, _FP32, "MHA, eager, fp32 or autocast training (any S: no repeat_kv)"),
+    Spelling(_EAGER, "mha", "additive", False, _FP32, "MHA, eager, fp32 eval"),
+)  # fmt: skip
+# Not in the table:
+# - repeat_kv with attn_mask=None (is_causal or decode). transformers 5.x passes enable_gqa instead whenever
+#   there is no mask (head_dim <= 256: every supported family); 4.57 repeats K/V on an Ascend host
+#   (use_gqa_in_sdpa is False on NPU), but it always builds a mask for a compiled forward (whole-model,
+#   and per-layer training: measured), and per-layer compile runs cache-using layers eagerly. Such a graph
+#   (head_dim > 256 on 5.x) is a near miss with its reason, not a wrong fusion.
+# - SDPA with no mask, is_causal=False and dropout: such a call carries attn_mask=None positionally
+#   (dropout_p follows it), so the "mask" rows with dropout, registered first, bind attn_mask=None and
+#   fuse it (a non-causal encoder such as ViT training with attention dropout, F.sdpa(q, k, v, dropout_p=p)).
 
 
 # --------------------------------------------------------------------------------------------------
@@ -190,21 +306,31 @@ def _searched_kv(query, key, value, kv: str):
     return key, value
 
 
-def _sdpa(query, key, value, attn_mask, scale, dropout_p, *, kv: str, causal: bool):
-    key, value = _searched_kv(query, key, value, kv)
-    extra = {"enable_gqa": True} if kv == "gqa" else {}  # as sdpa_attention_forward passes it
+def _sdpa(query, key, value, attn_mask=None, scale=None, dropout_p=0.0, *, row: Spelling):
+    """``sdpa_attention_forward``'s call, after its repeat_kv / enable_gqa choice."""
+    key, value = _searched_kv(query, key, value, row.kv)
+    extra = {"enable_gqa": True} if row.kv == "gqa" else {}  # as sdpa_attention_forward passes it
     return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale, is_causal=causal, **extra
+        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale, is_causal=row.mask == "causal",
+        **extra,
     )
 
 
-def _eager(query, key, value, attn_mask, scale, dropout_p, *, kv: str, train: bool):
-    key, value = _searched_kv(query, key, value, kv)
+def _eager(query, key, value, attn_mask, scale, dropout_p, *, row: Spelling):
+    """``eager_attention_forward`` (the attention weights not returned)."""
+    key, value = _searched_kv(query, key, value, row.kv)
     attn_weights = torch.matmul(query, key.transpose(2, 3)) * scale
     attn_weights = attn_weights + attn_mask
     attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    attn_weights = F.dropout(attn_weights, p=dropout_p, training=train)
+    attn_weights = F.dropout(attn_weights, p=dropout_p, training=row.dropout)
     return torch.matmul(attn_weights, value)
+
+
+def _search_fn(row: Spelling):
+    def search(**inputs):
+        return (_sdpa if row.impl == _SDPA else _eager)(**inputs, row=row)
+
+    return with_parameters(search, row.parameters)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -248,9 +374,8 @@ def fused_attention(query, key, value, attn_mask=None, *, causal: bool = False, 
     if causal:
         options.update(atten_mask=compressed_causal_mask(query.device), sparse_mode=2)
     elif attn_mask is not None:
-        masked_out = torch.logical_not(attn_mask) if attn_mask.dtype == torch.bool else attn_mask != 0
         # rows can be fully masked (left padding): only inner_precise=2 computes them correctly
-        options.update(atten_mask=masked_out.contiguous(), inner_precise=2)
+        options.update(atten_mask=masked_out(attn_mask), inner_precise=2)
     if _dense_bsnd(query) and _dense_bsnd(key) and _dense_bsnd(value):
         # BSH views of the linear (or npu_rotary_mul) outputs: no copy in, none out.
         q, k, v = (t.transpose(1, 2).flatten(2) for t in (query, key, value))
@@ -259,6 +384,20 @@ def fused_attention(query, key, value, attn_mask=None, *, causal: bool = False, 
     return torch.ops.npu.npu_fusion_attention.default(
         query.contiguous(), key.contiguous(), value.contiguous(), heads, _LAYOUT_BNSD, **options
     )[0]
+
+
+def _replace_fn(row: Spelling):
+    def replace(query, key, value, attn_mask=None, scale=None, dropout_p=0.0):
+        query, key, value = _autocast_cast(query, key, value)
+        scale = _scale_for(scale)
+        if row.impl == _SDPA:
+            causal = row.mask == "causal"
+            return fused_attention(query, key, value, attn_mask, causal=causal, scale=scale, dropout_p=dropout_p)
+        out = fused_attention(query, key, value, attn_mask, scale=scale, dropout_p=dropout_p if row.dropout else 0.0)
+        # HF's eager softmax averages V on fully masked rows (left padding); the kernel gives 0 there
+        return eager_fully_masked_rows(query, key, value, attn_mask, scale, out)
+
+    return with_parameters(replace, row.parameters)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -285,12 +424,16 @@ def check_attention(
 ) -> str | None:
     """Refusal reason for fusing ``SDPA(query, key, value, attn_mask, dropout_p)`` (FakeTensors), or None.
 
+    The op's limits are :func:`~qwen_npu_compile.npu_ops.fusion_attention.fusion_attention_violation`'s
+    (torch_npu 2.13.0 ``npu_fusion_attention`` docs, Meta kernel and torchair GE converter); this adds
+    4-D non-empty tensors, a bool or floating mask, and what dropout needs (:func:`_dropout_reason`).
+
     Args:
         query: ``[B, Nq, Sq, D]``.
         key: ``[B, Nkv, Skv, D]``, un-repeated.
         value: ``[B, Nkv, Skv, Dv]``.
         attn_mask: None, or the SDPA/eager mask (bool, or a float mask already verified by
-            :func:`check_additive_mask`).
+            :func:`.attention_mask.check_additive_mask`).
         dropout_p: the effective dropout probability (0 in eval); a non-constant one is refused.
         target: where the rewritten graph goes (``fusion.current_target()``); None = unknown.
     """
@@ -343,66 +486,6 @@ def _dropout_reason(dropout_p, target: CompileTarget | None) -> str | None:
             f"{keep}: the simulated npu_fusion_attention draws its dropout mask from fixed seed/offset (0, 0), "
             "so every layer and step would drop the same positions; fusing would silently make training "
             "dropout deterministic (the real kernel draws a fresh Philox seed per call)"
-        )
-    return None
-
-
-def _constant(arg) -> float | None:
-    """The value of a where() branch that is a literal or a constant-filled tensor, else None."""
-    if isinstance(arg, (int, float)) and not isinstance(arg, bool):
-        return float(arg)
-    if not isinstance(arg, torch.fx.Node):
-        return None
-    # transformers 4.5x eager_mask: where(mask, torch.tensor(0.0), min); make_fx keeps the real scalar
-    # as a get_attr constant behind lift_fresh_copy / detach_.
-    constant = constant_tensor_value(arg)
-    if constant is not None:
-        return constant
-    if arg.op != "call_function":
-        return None
-    if arg.target in _ZERO_FACTORIES:
-        return 0.0
-    if arg.target in _FULL_FACTORIES:
-        index = _FULL_FACTORIES[arg.target]
-        value = arg.args[index] if len(arg.args) > index else arg.kwargs.get("fill_value", arg.kwargs.get("s"))
-        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-    return None
-
-
-def _masks_exactly(value: float) -> bool:
-    """-inf or a dtype's finfo.min: exp(value + score - row max) is exactly 0 in the fp32 softmax."""
-    finfo_mins = {torch.finfo(dtype).min for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
-    return value == -math.inf or value in finfo_mins
-
-
-def check_additive_mask(mask: torch.fx.Node) -> str | None:
-    """Refusal reason for converting the float mask ``mask`` to ``mask != 0`` (True = masked out), or None.
-
-    Exact only when every value is 0 or masks completely: the mask must come (through views, copies and
-    casts) from ``where(bool, 0, m)`` or ``where(bool, m, 0)`` with m = -inf or a finfo.min, which is how
-    transformers' ``eager_mask`` builds it. A mask that is a graph input, or holds a bias (ALiBi, T5),
-    cannot be proven so and is refused.
-    """
-    node = mask
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _VALUE_PRESERVING:
-        node = node.args[0]
-    if not isinstance(node, torch.fx.Node):
-        return f"additive mask is the constant {node!r}"
-    if node.op != "call_function" or node.target not in _WHERE_OPS:
-        producer = "a graph input" if node.op == "placeholder" else str(node.target)
-        return (
-            f"additive float mask comes from {producer} ({node.name}), not where(bool, 0, finfo.min): its "
-            "values cannot be proven to be 0 or fully masking, so no exact boolean mask exists"
-        )
-    condition = meta_val(node.args[0])
-    branches = sorted((_constant(node.args[1]), _constant(node.args[2])), key=lambda v: (v is None, v != 0))
-    if not isinstance(condition, torch.Tensor) or condition.dtype != torch.bool:
-        return f"additive mask {node.name}: where() condition is not a bool tensor"
-    zero, other = branches
-    if zero != 0 or other is None or not _masks_exactly(other):
-        return (
-            f"additive mask {node.name} = where(cond, {node.args[1]}, {node.args[2]}) holds values other than "
-            "0 and -inf/finfo.min; mask != 0 would not be exact"
         )
     return None
 
@@ -461,6 +544,12 @@ def _scale_reason(match) -> str | None:
     return None
 
 
+def _scale_for(bound):
+    """The scale the replacement passes: the constant the check read, else the matched value."""
+    constant = _SCALE_CONSTANT.get()
+    return bound if constant is None else constant
+
+
 #: Set by a variant's check when q/k/v have different dtypes that autocast reconciled (fp32 q/k from the
 #: rotary, bf16 v from an autocast linear): autocast's dtype, which the replacement casts q, k, v to.
 _AUTOCAST_DTYPE: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar(
@@ -500,14 +589,8 @@ def _autocast_cast(*tensors):
     return tensors if dtype is None else tuple(t.to(dtype) for t in tensors)
 
 
-def _scale_for(bound):
-    """The scale the replacement passes: the constant the check read, else the matched value."""
-    constant = _SCALE_CONSTANT.get()
-    return bound if constant is None else constant
-
-
-def _make_check(kv: str, eager_train: bool | None):
-    """The check of one variant; ``eager_train`` is None for SDPA variants, else the dropout's ``train``."""
+def _check_fn(row: Spelling):
+    """The check of one row's variant: scale, autocast dtypes, repeated K/V, the op's contract, the mask."""
 
     def check(match) -> str | None:
         scale_reason = _scale_reason(match)
@@ -523,16 +606,16 @@ def _make_check(kv: str, eager_train: bool | None):
                 q, k, v = (t.to(cast_dtype) for t in (q, k, v))
         mask_node = match.kwargs.get("attn_mask")
         dropout_p = meta_val(match.kwargs.get("dropout_p", 0.0))
-        if eager_train is False:
+        if row.impl == _EAGER and not row.dropout:
             dropout_p = 0.0  # F.dropout(training=False) is the identity whatever p
-        if kv == "mha" and (_is_repeated(match.kwargs["key"]) or _is_repeated(match.kwargs["value"])):
+        if row.kv == "mha" and (_is_repeated(match.kwargs["key"]) or _is_repeated(match.kwargs["value"])):
             return (
                 "key/value come from an expand+reshape (a repeat_kv form no GQA variant recognised); "
                 "fusing it would pass repeated K/V instead of using the kernel's native GQA"
             )
         mask = meta_val(mask_node) if mask_node is not None else None
         reason = check_attention(q, k, v, mask, dropout_p=dropout_p, target=current_target())
-        if reason is None and kv.startswith("repeat_kv"):
+        if reason is None and row.kv.startswith("repeat_kv"):
             reason = _repeat_kv_reason(match, q.shape[1])
         if reason is None and isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
             reason = check_additive_mask(mask_node)
@@ -542,190 +625,91 @@ def _make_check(kv: str, eager_train: bool | None):
 
 
 # --------------------------------------------------------------------------------------------------
-# Variants.
+# The generator: table rows -> PatternVariants.
 # --------------------------------------------------------------------------------------------------
 
 
-def _sdpa_functions(kv: str, mask: str, dropout: bool):
-    """``(search_fn, replace_fn)`` with exactly the parameters the match binds (an unused one breaks it)."""
-    causal = mask == "causal"
-
-    def search(query, key, value, attn_mask, scale, dropout_p):
-        return _sdpa(query, key, value, attn_mask, scale, dropout_p, kv=kv, causal=causal)
-
-    def replace(query, key, value, attn_mask, scale, dropout_p):
-        query, key, value = _autocast_cast(query, key, value)
-        return fused_attention(
-            query, key, value, attn_mask, causal=causal, scale=_scale_for(scale), dropout_p=dropout_p
-        )
-
-    if mask == "mask" and dropout:
-        return search, replace
-    if mask == "mask":
-
-        def search_masked(query, key, value, attn_mask, scale):
-            return search(query, key, value, attn_mask, scale, 0.0)
-
-        def replace_masked(query, key, value, attn_mask, scale):
-            return replace(query, key, value, attn_mask, scale, 0.0)
-
-        return search_masked, replace_masked
-    if dropout:
-
-        def search_unmasked_dropout(query, key, value, scale, dropout_p):
-            return search(query, key, value, None, scale, dropout_p)
-
-        def replace_unmasked_dropout(query, key, value, scale, dropout_p):
-            return replace(query, key, value, None, scale, dropout_p)
-
-        return search_unmasked_dropout, replace_unmasked_dropout
-
-    def search_unmasked(query, key, value, scale):
-        return search(query, key, value, None, scale, 0.0)
-
-    def replace_unmasked(query, key, value, scale):
-        return replace(query, key, value, None, scale, 0.0)
-
-    return search_unmasked, replace_unmasked
-
-
-def eager_fully_masked_rows(query, key, value, attn_mask, scale, out):
-    """``out`` with every fully masked query row replaced by what HF's eager chain computes there.
-
-    On a row where every key is masked (left padding), ``scores + finfo.min`` is ``finfo.min`` for every
-    key (the scores are absorbed), so eager's fp32 softmax is exactly uniform and the row is the mean of
-    V, where ``npu_fusion_attention`` (like SDPA) gives 0. The gradient of that row in eager is the
-    softmax Jacobian at the uniform point, ``dS_j = (g·v_j - mean_k g·v_k) / S``, which still reaches q
-    and k (``+ mask`` passes the gradient through). With ``e(x) = x - x.detach()`` (value exactly 0), the
-    row equals ``mean(V) + scale/S · (q(KᵀV) - q̂(K̂ᵀV) - e(q·mean(K))·ΣV)`` in value and first
-    derivative: the linearised softmax, summed with ``KᵀV`` first, so it costs two ``[D, Dv]`` products
-    per query row instead of a second ``S×S`` attention. GQA: query head h reads KV head ``h // n_rep``.
-
-    Args:
-        query: ``[B, Nq, Sq, D]``; key ``[B, Nkv, Skv, D]``; value ``[B, Nkv, Skv, Dv]`` (un-repeated).
-        attn_mask: eager's additive mask (0 = attend), ``[B|1, 1|Nq, Sq, Skv]``.
-        scale: the scores' scale.
-        out: the fused attention, ``[B, Nq, Sq, Dv]``.
-
-    Returns:
-        ``[B, Nq, Sq, Dv]`` in ``out``'s dtype (computed in fp32).
-    """
-    batch, heads = query.shape[:2]
-    kv_heads = key.shape[1]
-    # Written for torchair: only ops it converts (aten.all.dim and amax have stub GE converters in
-    # torch_npu 2.13.0), no Python arithmetic on the symbolic key length, and no view that mixes the
-    # sequence length with another dim (torchair's optimize_view compares view dims, which pinned a
-    # dynamic S to 64 when S happened to equal D). The additive mask is 0 or finfo.min, so a row is
-    # fully masked when its maximum is not 0; 1/S comes from a tensor count; GQA repeats the small
-    # [D, Dv] / [1, D] / [1, Dv] summaries per query head, never q.
-    fully_masked = torch.max(attn_mask, dim=-1, keepdim=True).values != 0  # [B|1, 1|Nq, Sq, 1]
-    k, v = key.float(), value.float()
-
-    def per_query_head(t):  # [B, Nkv, a, b] -> [B, Nq, a, b], query head h reads KV head h // n_rep
-        return t[:, :, None].expand(batch, kv_heads, heads // kv_heads, *t.shape[2:]).reshape(batch, heads, *t.shape[2:])
-
-    q = query.float()
-    kv_len = per_query_head(torch.ones_like(v[..., :1]).sum(dim=-2, keepdim=True))  # [B, Nq, 1, 1]: S
-    k_t_v = per_query_head(k.transpose(-2, -1) @ v)  # [B, Nq, D, Dv]
-    k_t_v_detached = per_query_head(k.detach().transpose(-2, -1) @ v)
-    linear = q @ k_t_v - q.detach() @ k_t_v_detached
-    q_k_mean = (q * per_query_head(k.mean(dim=-2, keepdim=True))).sum(dim=-1, keepdim=True)  # [B, Nq, Sq, 1]
-    v_sum = per_query_head(v.sum(dim=-2, keepdim=True))  # [B, Nq, 1, Dv]
-    rows = ((v_sum + scale * (linear - (q_k_mean - q_k_mean.detach()) * v_sum)) / kv_len).to(out.dtype)
-    return torch.where(fully_masked, rows, out)
-
-
-def _eager_functions(kv: str, train: bool):
-    def search(query, key, value, attn_mask, scale, dropout_p):
-        return _eager(query, key, value, attn_mask, scale, dropout_p, kv=kv, train=train)
-
-    def replace(query, key, value, attn_mask, scale, dropout_p):
-        query, key, value = _autocast_cast(query, key, value)
-        out = fused_attention(
-            query, key, value, attn_mask, scale=_scale_for(scale), dropout_p=dropout_p if train else 0.0
-        )
-        # HF's eager softmax averages V on fully masked rows (left padding); the kernel gives 0 there
-        return eager_fully_masked_rows(query, key, value, attn_mask, _scale_for(scale), out)
-
-    return search, replace
-
-
-def _examples(kv: str, dtype: torch.dtype, mask: torch.dtype | None, dropout: bool):
+def _examples(row: Spelling):
     """q [2, 4, 8, 16]; k/v with 2 KV heads (4 for MHA); a [2, 1, 8, 8] mask; the magic scalars."""
-    kv_heads = 4 if kv == "mha" else 2
+    kv_heads = 4 if row.kv == "mha" else 2
+    mask_dtype = torch.bool if row.impl == _SDPA else row.dtype
 
     def build():
-        tensors = [torch.empty(2, 4, 8, 16, dtype=dtype)]
-        tensors += [torch.empty(2, kv_heads, 8, 16, dtype=dtype), torch.empty(2, kv_heads, 8, 16, dtype=dtype)]
-        if mask is not None:
-            tensors.append(torch.zeros(2, 1, 8, 8, dtype=mask))
-        return tensors + ([_SCALE, _DROPOUT_P] if dropout else [_SCALE])
+        inputs = {
+            "query": torch.empty(2, 4, 8, 16, dtype=row.dtype),
+            "key": torch.empty(2, kv_heads, 8, 16, dtype=row.dtype),
+            "value": torch.empty(2, kv_heads, 8, 16, dtype=row.dtype),
+            "attn_mask": torch.zeros(2, 1, 8, 8, dtype=mask_dtype),
+            "scale": _SCALE,
+            "dropout_p": _DROPOUT_P,
+        }
+        return [inputs[name] for name in row.parameters]
 
     return build
 
 
-def _exact_pattern(search_fn, example_inputs, scalar_workaround) -> pm.PatternExpr:
-    """The pattern of ``search_fn``, exact in every literal except size lists.
-
-    Inductor would match a first pattern that ignores all ints, floats, dtypes and lists, then re-trace
-    ``search_fn`` with the match's shapes for the exact comparison; under ``dynamic=True`` that re-trace
-    binds only one of the independent symbolic sizes (B and S here) as an input and spells the other
-    ``sym_size(key, 2)``, which never equals the graph's SymInt placeholder inside repeat_kv's
-    expand/reshape size lists. So the variants carry their exact pattern, with only lists (those size
-    lists) left as wildcards; :func:`_repeat_kv_reason` checks them by shape instead.
-    """
-    argnames = list(inspect.signature(search_fn).parameters)
-    gm = trace_pattern(search_fn, list(example_inputs))
-    lists = (list, torch.fx.immutable_collections.immutable_list)  # FX stores node arguments' lists as the latter
-    return pm.fx_to_pattern(gm, ignore_types=lists, argnames=argnames, scalar_workaround=scalar_workaround)
-
-
-def _variant(name, search_fn, replace_fn, examples, check, scalar_workaround, why) -> PatternVariant:
+def _variant(row: Spelling) -> PatternVariant:
+    """The :class:`~qwen_npu_compile.fusion.PatternVariant` of one table row (its exact pattern traced here)."""
+    search_fn, examples = _search_fn(row), _examples(row)
+    magic = {"scale": _SCALE, "dropout_p": _DROPOUT_P}
+    scalar_workaround = {name: value for name, value in magic.items() if name in row.parameters}
     return PatternVariant(
-        name=name,
+        name=row.name,
         search_fn=search_fn,
-        replace_fn=replace_fn,
+        replace_fn=_replace_fn(row),
         example_inputs=examples,
-        check=check,
+        check=_check_fn(row),
         scalar_workaround=scalar_workaround,
-        why=why,
-        search_fn_pattern=_exact_pattern(search_fn, examples(), scalar_workaround),
+        why=row.why,
+        # exact but for size lists: repeat_kv's under symbolic B and S (see fusion.exact_pattern)
+        search_fn_pattern=exact_pattern(search_fn, examples(), scalar_workaround),
+        anchor_ops=row.anchor_ops,
     )
 
 
-#: The mask conversions the replacement emits (``logical_not(bool)``, ``mask != 0``).
-_MASK_CONVERSIONS = (aten.logical_not.default, aten.ne.Scalar)
+# --------------------------------------------------------------------------------------------------
+# The family.
+# --------------------------------------------------------------------------------------------------
 
 
-def share_mask_conversions(graph: torch.fx.Graph) -> int:
-    """Compute each mask conversion once per graph: every layer's ``logical_not(mask)`` of the one shared
-    mask (or ``mask != 0``) feeding ``npu_fusion_attention`` is replaced by the first one.
+class AttentionPass(FamilyPass):
+    """The attention pattern pass (after :func:`spell_key_transposes`), then
+    :func:`.attention_mask.share_mask_conversions`."""
 
-    Each replacement converts its own mask (the pattern replaces one attention at a time), so a model
-    whose layers share one ``[B, 1, S, S]`` mask would convert it once per layer (``B·S²`` bytes read
-    and written each time: 32 MiB per layer at S=4096) and save one copy per layer for the backward.
-    Identical (op, input) pairs compute identical tensors, so sharing them is exact; inputs that are
-    identical views of one tensor count as identical (:func:`_view_key`).
+    def apply(self, gm: torch.fx.GraphModule, recorder) -> int:
+        spell_key_transposes(gm.graph)
+        count = super().apply(gm, recorder)
+        if count:
+            share_mask_conversions(gm.graph)
+        return count
 
-    Returns:
-        How many conversions were removed.
-    """
-    first: dict[tuple, torch.fx.Node] = {}
-    removed = 0
-    fused = torch.ops.npu.npu_fusion_attention.default
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in _MASK_CONVERSIONS:
-            continue
-        if not node.users or not all(user.target is fused for user in node.users):
-            continue
-        key = (node.target, _view_key(node.args), _view_key(tuple(sorted(node.kwargs.items()))))
-        if key not in first:
-            first[key] = node
-            continue
-        node.replace_all_uses_with(first[key])
-        graph.erase_node(node)
-        removed += 1
-    return removed
+
+class AttentionFamily(FusionFamily):
+    """SDPA / eager attention (after repeat_kv) -> ``npu_fusion_attention``; 1 per layer."""
+
+    name = "attention"
+    pass_class = AttentionPass
+    anchor_ops = (aten.scaled_dot_product_attention.default, aten.softmax.int)
+    fused_op_names = ("npu_fusion_attention",)
+
+    def iter_variants(self):
+        return (_variant(row) for row in SPELLINGS)
+
+    def explain_near_miss(self, anchor: torch.fx.Node) -> str:
+        if anchor.target is aten.scaled_dot_product_attention.default:
+            return (
+                f"scaled_dot_product_attention at {node_source(anchor)} has a form no variant covers "
+                f"({_describe_sdpa(anchor)}); variants take attn_mask, or attn_mask=None with is_causal, "
+                "and K/V plain, repeat_kv'd or enable_gqa"
+            )
+        generic = super().explain_near_miss(anchor)
+        spelling = _describe_eager_chain(anchor) if anchor.target is aten.softmax.int else None
+        return generic if spelling is None or "also used outside" in generic else f"{generic}: {spelling}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Before matching: one spelling of the key transpose. After: naming what did not match.
+# --------------------------------------------------------------------------------------------------
 
 
 def _swaps_last_two(node) -> bool:
@@ -786,95 +770,6 @@ def _describe_eager_chain(softmax: torch.fx.Node) -> str | None:
             "(the spelling the variants match; other spellings of that swap are respelled)"
         )
     return None
-
-
-def _view_key(value):
-    """A hashable key equal for equal views of one tensor: transformers 4.5x slices the shared mask in
-    every layer (``mask[:, :, :, :k_len]``), one identical ``aten.slice`` node per layer."""
-    if isinstance(value, (list, tuple)):
-        return tuple(_view_key(item) for item in value)
-    if (
-        isinstance(value, torch.fx.Node)
-        and value.op == "call_function"
-        and isinstance(value.target, torch._ops.OpOverload)
-        and value.target.is_view
-    ):
-        return (value.target, _view_key(value.args), _view_key(tuple(sorted(value.kwargs.items()))))
-    return value
-
-
-class AttentionPass(FamilyPass):
-    """The attention pattern pass (after :func:`spell_key_transposes`), then :func:`share_mask_conversions`."""
-
-    def apply(self, gm: torch.fx.GraphModule, recorder) -> int:
-        spell_key_transposes(gm.graph)
-        count = super().apply(gm, recorder)
-        if count:
-            share_mask_conversions(gm.graph)
-        return count
-
-
-class AttentionFamily(FusionFamily):
-    """SDPA / eager attention (after repeat_kv) -> ``npu_fusion_attention``; 1 per layer."""
-
-    name = "attention"
-    pass_class = AttentionPass
-    anchor_ops = (aten.scaled_dot_product_attention.default, aten.softmax.int)
-    fused_op_names = ("npu_fusion_attention",)
-
-    def iter_variants(self):
-        # Among variants of one output op the matcher tries them in registration order: the GQA forms
-        # (K/V swallowed un-repeated) come before "mha", which would match a repeat_kv output as plain
-        # K/V (its check refuses that anyway). Scale (and dropout) are literals in static graphs and
-        # graph inputs under dynamic=True: scalar_workaround, never baked in.
-        # SDPA: no casts, so the graph is dtype-independent and fp32 examples cover every dtype.
-        for kv in ("repeat_kv", "repeat_kv_symbolic", "gqa", "mha"):
-            for mask, mask_why in SDPA_MASKS.items():
-                for dropout in (False, True):
-                    search, replace = _sdpa_functions(kv, mask, dropout)
-                    yield _variant(
-                        f"sdpa_{mask}_{kv}{'_dropout' if dropout else ''}",
-                        search,
-                        replace,
-                        _examples(kv, torch.float32, torch.bool if mask == "mask" else None, dropout),
-                        _make_check(kv, None),
-                        {"scale": _SCALE, **({"dropout_p": _DROPOUT_P} if dropout else {})},
-                        f"{mask_why}; {KV_FORMS[kv]}; "
-                        + ("dropout_p > 0 (training)" if dropout else "dropout_p 0, omitted from the call"),
-                    )
-        # Eager: aten.dropout is always in the graph, its train flag baked in (it decides what p means);
-        # half precision casts the fp32 softmax back to q's dtype, a no-op removed in fp32 graphs.
-        # One variant per half dtype: the prebuilt exact pattern bakes in the cast's dtype literal.
-        precisions = {
-            "bf16": (torch.bfloat16, "bf16, softmax cast back"),
-            "fp16": (torch.float16, "fp16, softmax cast back"),
-            "fp32": (torch.float32, "fp32"),
-        }
-        for kv in ("repeat_kv", "repeat_kv_symbolic", "mha"):
-            for label, (dtype, precision_why) in precisions.items():
-                for train in (True, False):
-                    search, replace = _eager_functions(kv, train)
-                    yield _variant(
-                        f"eager_{kv}_{label}_{'train' if train else 'infer'}",
-                        search,
-                        replace,
-                        _examples(kv, dtype, dtype, True),
-                        _make_check(kv, train),
-                        {"scale": _SCALE, "dropout_p": _DROPOUT_P},
-                        f"eager_attention_forward, {precision_why}, {'training' if train else 'eval'} dropout; "
-                        f"{KV_FORMS[kv]}",
-                    )
-
-    def explain_near_miss(self, anchor: torch.fx.Node) -> str:
-        if anchor.target is aten.scaled_dot_product_attention.default:
-            return (
-                f"scaled_dot_product_attention at {node_source(anchor)} has a form no variant covers "
-                f"({_describe_sdpa(anchor)}); variants take attn_mask, or attn_mask=None with is_causal, "
-                "and K/V plain, repeat_kv'd or enable_gqa"
-            )
-        generic = super().explain_near_miss(anchor)
-        spelling = _describe_eager_chain(anchor) if anchor.target is aten.softmax.int else None
-        return generic if spelling is None or "also used outside" in generic else f"{generic}: {spelling}"
 
 
 def _describe_sdpa(node: torch.fx.Node) -> str:

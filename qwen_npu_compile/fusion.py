@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import inspect
 import logging
 import os
 import re
@@ -53,6 +54,7 @@ class PatternVariant:
         search_fn_pattern: optional prebuilt pattern used as is, for the first match and as the exact
             pattern (Inductor then skips re-tracing ``search_fn`` with the match's shapes, a re-trace
             that can bind only one of several independent symbolic sizes; see ``patterns/attention.py``).
+        anchor_ops: ATen ops whose presence in a graph means this variant may match; empty = the family's anchor_ops
     """
 
     name: str
@@ -63,6 +65,7 @@ class PatternVariant:
     scalar_workaround: dict[str, float | int] = dataclasses.field(default_factory=dict)
     why: str = ""
     search_fn_pattern: pm.PatternExpr | None = None
+    anchor_ops: tuple = ()
 
 
 class FusionFamily:
@@ -296,3 +299,84 @@ class FamilyPass:
 
     def count_fused(self, graph: torch.fx.Graph) -> int:
         return sum(len(graph.find_nodes(op="call_function", target=op)) for op in self.family.fused_ops)
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers for writing patterns (family-agnostic).
+# --------------------------------------------------------------------------------------------------
+
+#: The list types FX stores a node's list arguments as (size lists of view/expand/reshape).
+SIZE_LIST_TYPES = (list, torch.fx.immutable_collections.immutable_list)
+
+
+def exact_pattern(
+    search_fn: Callable[..., object],
+    example_inputs: Sequence[object],
+    scalar_workaround: dict[str, float | int] | None = None,
+    *,
+    ignore_types: tuple[type, ...] = SIZE_LIST_TYPES,
+) -> pm.PatternExpr:
+    """The pattern of ``search_fn`` traced like the graphs (:func:`trace_pattern`), exact in every literal
+    except the values of ``ignore_types`` (by default size lists), for ``PatternVariant.search_fn_pattern``.
+
+    Inductor's ``register_replacement`` would match a first pattern that ignores every int, float, dtype
+    and list, then re-trace ``search_fn`` with the match's shapes for the exact comparison; under
+    ``dynamic=True`` that re-trace binds only one of several independent symbolic sizes (B and S) as an
+    input and spells the other ``sym_size(x, i)``, which never equals the graph's SymInt placeholder inside
+    a size list (e.g. repeat_kv's expand/reshape). A prebuilt exact pattern skips the re-trace; the
+    variant's check must then verify what was left out (the sizes) from the matched nodes' shapes.
+
+    Args:
+        search_fn: the subgraph as the model computes it; its parameter names become the pattern's
+            argument names (``match.kwargs``).
+        example_inputs: one value per parameter (tensors, or the magic floats of ``scalar_workaround``).
+        scalar_workaround: ``{parameter: magic float}`` for scalars that are graph inputs under
+            ``dynamic=True`` (Inductor's ``scalar_workaround``).
+        ignore_types: literal types that match anything (``pm.fx_to_pattern``'s ``ignore_types``).
+    """
+    argnames = list(inspect.signature(search_fn).parameters)
+    gm = trace_pattern(search_fn, list(example_inputs))
+    return pm.fx_to_pattern(gm, ignore_types=ignore_types, argnames=argnames, scalar_workaround=scalar_workaround or {})
+
+
+def with_parameters(fn: Callable[..., object], names: Sequence[str]) -> Callable[..., object]:
+    """``fn(**kwargs)`` as a function of exactly the positional parameters ``names``.
+
+    A pattern's inputs are its search function's parameters (Inductor reads ``inspect.signature``) and a
+    parameter the traced subgraph does not use breaks the match, so variants that differ in which inputs
+    they have (a mask or not, a dropout probability or not) each need their own signature; this builds
+    it from a table instead of one hand-written function per combination (the ``__signature__`` technique
+    of Inductor's ``pattern_matcher._wrap_bound_method``).
+    """
+    names = tuple(names)
+
+    def bound(*args):
+        if len(args) != len(names):
+            raise TypeError(f"{getattr(fn, '__name__', fn)} takes {names}, got {len(args)} arguments")
+        return fn(**dict(zip(names, args)))
+
+    bound.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in names]
+    )
+    bound.__name__ = bound.__qualname__ = f"{getattr(fn, '__name__', 'fn')}_{'_'.join(names)}"
+    return bound
+
+
+def view_key(value):
+    """A hashable key that is equal for equal views of one tensor (and for equal literals).
+
+    A view node (an ``OpOverload`` with ``is_view``) is keyed by its op and its arguments' keys, any other
+    node by itself, lists and tuples item by item. Two nodes with equal keys compute the same values, so a
+    computation of one can stand in for the same computation of the other (e.g. every layer's
+    ``mask[:, :, :, :k_len]`` slice of one shared mask in transformers 4.5x).
+    """
+    if isinstance(value, (list, tuple)):
+        return tuple(view_key(item) for item in value)
+    if (
+        isinstance(value, torch.fx.Node)
+        and value.op == "call_function"
+        and isinstance(value.target, torch._ops.OpOverload)
+        and value.target.is_view
+    ):
+        return (value.target, view_key(value.args), view_key(tuple(sorted(value.kwargs.items()))))
+    return value

@@ -67,7 +67,7 @@ from transformers.models.qwen2 import modeling_qwen2
 from qwen_npu_compile import canonicalize, ensure_npu_ops
 from qwen_npu_compile.config import ALL_FAMILIES
 from qwen_npu_compile.fusion import RefusalRecorder
-from qwen_npu_compile.models import resolve_model_config
+from qwen_npu_compile.check.models import resolve_model_config
 
 from .common import MIB, progress
 from .verl_patch import SOURCES as VERL_SOURCES

@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from conftest import assert_parity
-from qwen_npu_compile import models
+from qwen_npu_compile.check import models
 
 LAYERS = 2
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,

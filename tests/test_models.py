@@ -1,4 +1,4 @@
-"""Tests for qwen_npu_compile.models: presets, local directories, layer overrides, memory estimate."""
+"""Tests for qwen_npu_compile.check.models: presets, local directories, layer overrides, memory estimate."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from qwen_npu_compile import models
-from qwen_npu_compile.models import (
+from qwen_npu_compile.check import models
+from qwen_npu_compile.check.models import (
     PRESETS,
     build_model,
     estimate_memory_bytes,

@@ -7,9 +7,9 @@ import subprocess
 import pytest
 import torch
 
-from conftest import tiny_qwen2_config
 from qwen_npu_compile import cli
 from qwen_npu_compile.check import harness, models
+from qwen_npu_compile.check.models import tiny_qwen2_config
 
 
 @pytest.fixture

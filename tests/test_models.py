@@ -16,6 +16,7 @@ from qwen_npu_compile.check.models import (
     estimate_num_parameters,
     resolve_model_config,
 )
+from qwen_npu_compile.check.models import tiny_qwen2_config as tiny_config
 
 REQUIRED_PRESETS = {
     "qwen2-0.5b",
@@ -29,19 +30,6 @@ REQUIRED_PRESETS = {
     "qwen2.5-32b",
     "qwen2.5-72b",
 }
-
-
-def tiny_config(**overrides) -> Qwen2Config:
-    fields = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-    )
-    fields.update(overrides)
-    return Qwen2Config(**fields)
 
 
 @pytest.fixture(scope="module")

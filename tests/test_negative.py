@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-from conftest import tiny_qwen2
+from qwen_npu_compile.check.models import tiny_qwen2
 from qwen_npu_compile import get_reports
 
 CORE = {"fusions": "rms_norm,swiglu"}

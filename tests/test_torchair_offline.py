@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_qwen2_config
+from qwen_npu_compile.check.models import tiny_qwen2_config
 from qwen_npu_compile import cli
 from qwen_npu_compile.config import QwenNpuConfig
 from qwen_npu_compile.npu_ops import EMITTED_OPS

@@ -36,12 +36,9 @@ VERL_INSTALLED = importlib.util.find_spec("verl") is not None
 
 
 def tiny_qwen2(layers: int = 2):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from qwen_npu_compile.check.models import tiny_qwen2
 
-    torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, use_cache=False)
-    return Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa").train()
+    return tiny_qwen2(num_hidden_layers=layers).train()
 
 
 def compiled_layers(model) -> list[bool]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._functorch.aot_autograd import aot_function, make_boxed_func
 
 from qwen_npu_compile import ensure_npu_ops
 from qwen_npu_compile.check.harness import fp32_reference, run_model
@@ -49,11 +50,37 @@ def assert_runs_match(compiled, eager, reference=None) -> dict:
     return rows
 
 
+def eager_and_reference(model, input_ids, train: bool, dtype, **kwargs):
+    """``(eager, reference)``: :func:`run_model` of ``model`` eagerly and, for a half-precision ``dtype``,
+    of an fp32 copy (the yardstick of :func:`assert_runs_match`; None for fp32)."""
+    eager = run_model(model, model, input_ids, train, **kwargs)
+    return eager, (fp32_reference(model, input_ids, train, **kwargs) if dtype != torch.float32 else None)
+
+
 def assert_parity(model, input_ids, train: bool, dtype, options=None, dynamic=None, **kwargs):
     """Compile ``model`` with qwen_npu, compare logits and gradients against eager (and, for half
     precision ``dtype``, an fp32 reference run) with :func:`assert_runs_match`; return the reports."""
-    eager = run_model(model, model, input_ids, train, **kwargs)
-    reference = fp32_reference(model, input_ids, train, **kwargs) if dtype != torch.float32 else None
+    eager, reference = eager_and_reference(model, input_ids, train, dtype, **kwargs)
     compiled = torch.compile(model, backend="qwen_npu", options=options or {}, dynamic=dynamic)
     assert_runs_match(run_model(model, compiled, input_ids, train, **kwargs), eager, reference)
     return list(SUMMARY.graphs)
+
+
+def aot_traced(fn):
+    """``(compiled, graphs)``: ``fn`` under AOTAutograd (``aot_function``); calling ``compiled`` (and its
+    backward) fills ``graphs["fw"]`` / ``graphs["bw"]`` with the GraphModules AOTAutograd hands over."""
+    graphs = {}
+
+    def record(name):
+        def compiler(gm, example_inputs):
+            graphs[name] = gm
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    return aot_function(fn, fw_compiler=record("fw"), bw_compiler=record("bw")), graphs
+
+
+def call_targets(gm) -> list:
+    """The targets of ``gm``'s ``call_function`` nodes, in graph order."""
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]

@@ -22,8 +22,8 @@ import pytest
 import torch
 from transformers.models.qwen2.modeling_qwen2 import rotate_half
 
-from conftest import assert_runs_match
-from qwen_npu_compile.check.harness import fp32_reference, run_model
+from conftest import assert_runs_match, eager_and_reference
+from qwen_npu_compile.check.harness import run_model
 from qwen_npu_compile.check.models import tiny_qwen2
 from qwen_npu_compile import get_reports
 from qwen_npu_compile import backend as qwen_backend
@@ -79,8 +79,7 @@ def test_qwen2_training_for_torchair_uses_the_orthogonal_rotary(npu_ops, torchai
     layers = 2
     model = tiny_qwen2(dtype, hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=2).train()
     input_ids = torch.randint(0, 128, (2, 16))
-    eager = run_model(model, model, input_ids, True)
-    reference = fp32_reference(model, input_ids, True) if dtype != torch.float32 else None
+    eager, reference = eager_and_reference(model, input_ids, True, dtype)
     compiled = torch.compile(model, backend="qwen_npu", options={**TORCHAIR, "fusions": "rotary"})
     assert_runs_match(run_model(model, compiled, input_ids, True), eager, reference)
     [report] = get_reports()
@@ -100,8 +99,7 @@ def test_qwen2_training_for_torchair_dynamic_sequence_length(npu_ops, torchair_t
     compiled = torch.compile(model, backend="qwen_npu", options={**TORCHAIR, "fusions": "rotary"}, dynamic=True)
     for seq in (16, 11):
         input_ids = torch.randint(0, 128, (2, seq))
-        eager = run_model(model, model, input_ids, True)
-        reference = fp32_reference(model, input_ids, True) if dtype != torch.float32 else None
+        eager, reference = eager_and_reference(model, input_ids, True, dtype)
         assert_runs_match(run_model(model, compiled, input_ids, True), eager, reference)
     [report] = get_reports()
     assert report.fusions == {"rotary": 2 * layers} and _refusals(report, "rotary") == []

@@ -29,9 +29,9 @@ import logging
 import pytest
 import torch
 
-from conftest import assert_runs_match
+from conftest import assert_runs_match, eager_and_reference
 from qwen_npu_compile import canonicalize, compat, maybe_compile
-from qwen_npu_compile.check.harness import fp32_reference, run_model
+from qwen_npu_compile.check.harness import run_model
 from qwen_npu_compile.check.models import tiny_qwen2
 from qwen_npu_compile.check.parity import relative_l2
 from qwen_npu_compile.report import SUMMARY
@@ -67,15 +67,20 @@ def _assert_clean(report) -> None:
     assert [r for r in report.refused if r.family in FAMILIES] == [], report.refused
 
 
+def _eager_case(attn: str, mode: str, padded: bool):
+    """The tiny Qwen2 of one case, its tokens and padding mask, and its eager (and fp32 reference) run."""
+    train, dtype = MODES[mode]
+    model = tiny_qwen2(dtype, attn=attn).train(train)
+    input_ids, mask = _tokens(), _left_padding() if padded else None
+    expected, reference = eager_and_reference(model, input_ids, train, dtype, attention_mask=mask)
+    return model, input_ids, mask, train, expected, reference
+
+
 @pytest.mark.parametrize("padded", [False, True], ids=["no_padding", "left_padding"])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_whole_model(attn, mode, padded, record_property):
-    train, dtype = MODES[mode]
-    model = tiny_qwen2(dtype, attn=attn).train(train)
-    input_ids, mask = _tokens(), _left_padding() if padded else None
-    expected = run_model(model, model, input_ids, train, mask)
-    reference = fp32_reference(model, input_ids, train, mask) if dtype != torch.float32 else None
+    model, input_ids, mask, train, expected, reference = _eager_case(attn, mode, padded)
     actual = run_model(model, torch.compile(model, backend="qwen_npu"), input_ids, train, mask)
 
     reports = list(SUMMARY.graphs)
@@ -91,11 +96,7 @@ def test_whole_model(attn, mode, padded, record_property):
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_per_layer(attn, mode, padded, record_property):
-    train, dtype = MODES[mode]
-    model = tiny_qwen2(dtype, attn=attn).train(train)
-    input_ids, mask = _tokens(), _left_padding() if padded else None
-    expected = run_model(model, model, input_ids, train, mask)
-    reference = fp32_reference(model, input_ids, train, mask) if dtype != torch.float32 else None
+    model, input_ids, mask, train, expected, reference = _eager_case(attn, mode, padded)
     compiled = maybe_compile(model, environ={ENV_COMPILE: "1"})
     assert compiled == [f"model.layers.{i}" for i in range(LAYERS)]
     actual = run_model(model, model, input_ids, train, mask)

@@ -28,7 +28,7 @@ from qwen_npu_compile.npu_ops import EMITTED_OPS
 from qwen_npu_compile.torchair_offline import wheel
 from qwen_npu_compile.torchair_offline.wheel import ENV_CACHE, ENV_WHEEL, TorchairUnavailableError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -13,8 +13,8 @@ import pytest
 import torch
 import transformers
 
-from conftest import assert_runs_match
-from qwen_npu_compile.check.harness import fp32_reference, run_model
+from conftest import assert_runs_match, eager_and_reference
+from qwen_npu_compile.check.harness import run_model
 from qwen_npu_compile.check.models import tiny_qwen2
 from qwen_npu_compile.check.parity import FP32_TOLERANCE, relative_l2
 from qwen_npu_compile.report import SUMMARY
@@ -31,8 +31,7 @@ def _ids(vocab=256):
 def _train_parity(model, options=None, dtype=torch.float32, **kwargs):
     """One training step eager and compiled on the same tokens; returns the graph reports."""
     ids = _ids(model.config.vocab_size)
-    eager = run_model(model, model, ids, True, **kwargs)
-    reference = fp32_reference(model, ids, True, **kwargs) if dtype != torch.float32 else None
+    eager, reference = eager_and_reference(model, ids, True, dtype, **kwargs)
     compiled = torch.compile(model, backend="qwen_npu", options=options or {})
     assert_runs_match(run_model(model, compiled, ids, True, **kwargs), eager, reference)
     return list(SUMMARY.graphs)

@@ -1,9 +1,9 @@
 """Drive verl's own FSDP engine on a CPU: model build, FSDP wrap, two training steps (gloo, world size 1).
 
-Run by tests/test_verl_hook.py in a fresh interpreter, because ``VERL_USE_EXTERNAL_MODULES`` is read
+Run by tests/e2e/test_verl_hook.py in a fresh interpreter, because ``VERL_USE_EXTERNAL_MODULES`` is read
 when verl is imported::
 
-    python tests/verl_engine_run.py SCENARIOS.json OUT.json
+    python tests/e2e/verl_engine_run.py SCENARIOS.json OUT.json
 
 ``SCENARIOS.json`` maps a name to ``strategy`` (``fsdp2``/``fsdp``), ``use_orig_params``,
 ``param_dtype`` (``fp32``/``bf16``: FSDP mixed precision, and verl's autocast dtype),

@@ -12,8 +12,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb, rotate_half
 
-from conftest import assert_parity, assert_runs_match
-from qwen_npu_compile.check.harness import fp32_reference, run_model
+from conftest import assert_parity, assert_runs_match, eager_and_reference
+from qwen_npu_compile.check.harness import run_model
 from qwen_npu_compile.check.models import tiny_qwen2
 from qwen_npu_compile.check.parity import FP32_TOLERANCE, relative_l2
 from qwen_npu_compile import get_reports
@@ -86,8 +86,7 @@ def test_dynamic_shapes_one_graph_with_backward(npu_ops):
     for batch, seq in ((2, 16), (3, 11)):
         input_ids = torch.randint(0, 128, (batch, seq))
         kwargs = padded_inputs(batch, seq)
-        eager = run_model(model, model, input_ids, True, **kwargs)
-        reference = fp32_reference(model, input_ids, True, **kwargs) if dtype != torch.float32 else None
+        eager, reference = eager_and_reference(model, input_ids, True, dtype, **kwargs)
         assert_runs_match(run_model(model, compiled, input_ids, True, **kwargs), eager, reference)
     [report] = get_reports()
     assert report.fusions == {"rotary": 2 * layers}

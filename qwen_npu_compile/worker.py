@@ -1,10 +1,8 @@
-"""Stable entry point ``qwen_npu_compile.worker``: per-layer compile in place, switched by ``QWEN_NPU_COMPILE``.
+"""Stable entry point ``qwen_npu_compile.worker``: per-layer compile in place (``maybe_compile``, ``layer_reports``,
+``ENV_COMPILE``); the code is :mod:`qwen_npu_compile.integrations.worker`.
 
-Users write this path (``from qwen_npu_compile.worker import layer_reports, ENV_COMPILE``); the code is
-:mod:`qwen_npu_compile.integrations.worker`. This module puts that module in its own place in
-``sys.modules``, and Python's import binds whatever ``sys.modules`` holds once the module has run
-(importlib ``_load_unlocked``), so both paths name the same module object: its import side effects
-run once and a monkeypatch through either path is seen by both.
+An alias, not a copy: this path and the integration are one module object (see
+:mod:`qwen_npu_compile.integrations`).
 """
 
 import sys

@@ -201,22 +201,18 @@ def run_check(args: argparse.Namespace) -> dict:
             raise ValueError("--dynamic needs --seq-len >= 2 (Dynamo specialises sizes 0 and 1)")
         for tensor in {id(t): t for t in (input_ids, attention_mask, labels) if t is not None}.values():
             torch._dynamo.mark_dynamic(tensor, 1)
-    stages.begin(f"compiling with backend='qwen_npu' ({status.kind} npu ops{', dynamic sequence length' if args.dynamic else ''}) "
-                 "and running it once")
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="qwen_npu", options=options, dynamic=None if args.dynamic else False)
-    start = time.perf_counter()
-    with amp():
-        compiled_run = run_model(model, compiled, input_ids, train, attention_mask, labels)
-    compile_seconds = time.perf_counter() - start
-    stages.end()
-
-    stages.begin("compiled run again (timing)")
-    start = time.perf_counter()
-    with amp():
-        compiled_run = run_model(model, compiled, input_ids, train, attention_mask, labels)
-    steady_seconds = time.perf_counter() - start
-    stages.end()
+    seconds = []  # the first run compiles, the second is the steady-state timing
+    for what in (f"compiling with backend='qwen_npu' ({status.kind} npu ops"
+                 f"{', dynamic sequence length' if args.dynamic else ''}) and running it once", "compiled run again (timing)"):
+        stages.begin(what)
+        start = time.perf_counter()
+        with amp():
+            compiled_run = run_model(model, compiled, input_ids, train, attention_mask, labels)
+        seconds.append(time.perf_counter() - start)
+        stages.end()
+    compile_seconds, steady_seconds = seconds
 
     stages.begin("comparing against eager")
     reports = get_reports()[first_report:]

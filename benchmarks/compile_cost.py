@@ -31,6 +31,7 @@ import torch
 import transformers
 
 from qwen_npu_compile import ensure_npu_ops
+from qwen_npu_compile.check.models import tiny_qwen2_config
 from qwen_npu_compile.config import ALL_FAMILIES
 
 from .common import linear_fit, median, progress
@@ -41,10 +42,7 @@ STEPS = ("capture_s", "canonicalize_s", "fuse_s", "aot_s")
 
 def tiny_config(layers: int, hidden: int = 64) -> transformers.Qwen2Config:
     """A tiny-width Qwen2 config (4 heads, 2 KV heads: GQA) with ``layers`` decoder layers, no KV cache."""
-    return transformers.Qwen2Config(
-        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, use_cache=False,
-    )  # fmt: skip
+    return tiny_qwen2_config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers)
 
 
 def tiny_model(layers: int, hidden: int = 64) -> transformers.Qwen2ForCausalLM:

@@ -67,7 +67,7 @@ from transformers.models.qwen2 import modeling_qwen2
 from qwen_npu_compile import canonicalize, ensure_npu_ops
 from qwen_npu_compile.config import ALL_FAMILIES
 from qwen_npu_compile.fusion import RefusalRecorder
-from qwen_npu_compile.models import resolve_model_config
+from qwen_npu_compile.check.models import resolve_model_config, tiny_qwen2_config, with_layers
 
 from .common import MIB, progress
 from .verl_patch import SOURCES as VERL_SOURCES
@@ -409,15 +409,6 @@ def has_negative(table: dict[str, dict]) -> list[str]:
 # graph building
 
 
-def _config_with_layers(config: transformers.Qwen2Config, layers: int) -> transformers.Qwen2Config:
-    data = config.to_dict()
-    data["num_hidden_layers"] = layers
-    data["use_cache"] = False
-    if isinstance(data.get("layer_types"), list):
-        data["layer_types"] = data["layer_types"][:layers]
-    return transformers.Qwen2Config.from_dict(data)
-
-
 def _modelled_target():
     """Run the checks as they would run for an Ascend host (torchair downstream, real ops), if supported."""
     from qwen_npu_compile import fusion
@@ -467,7 +458,7 @@ def build_graphs(
     if len({v.verl for v in variants}) != 1:
         raise ValueError("variants sharing one capture must agree on the verl patches")
     ensure_npu_ops()
-    cfg = _config_with_layers(config, layers)
+    cfg = with_layers(config, layers)
     captured: dict[str, dict] = {v.name: {"fusions": {}, "refusals": []} for v in variants}
 
     def record(slot: dict, kind: str):
@@ -776,10 +767,7 @@ def run(quick: bool = False) -> dict:
     """
     dtype = torch.bfloat16
     if quick:
-        tiny = transformers.Qwen2Config(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, use_cache=False,
-        )  # fmt: skip
+        tiny = tiny_qwen2_config()
         models = [("tiny-h64", tiny, 1, 64)]
         long_models = []
         variants = tuple(v for v in VARIANTS if v.name in HEADLINE_VARIANTS)

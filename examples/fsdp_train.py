@@ -36,18 +36,9 @@ ENV_COMPILE = "QWEN_NPU_COMPILE"  # qwen_npu_compile.worker.ENV_COMPILE (kept im
 
 def tiny_config(layers: int):
     """A Qwen2 small enough for CPU: hidden 64, 4 heads (2 KV heads), vocab 128, fp32."""
-    from transformers import Qwen2Config
+    from qwen_npu_compile.check.models import tiny_qwen2_config
 
-    return Qwen2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
+    return tiny_qwen2_config(num_hidden_layers=layers, tie_word_embeddings=False, use_cache=True)
 
 
 def _layer_classes(model) -> set:
@@ -274,20 +265,15 @@ def verdict_text(verdict: dict, ranks: int, steps: int, layers: int) -> str:
     )
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from qwen_npu_compile.cli import positive_int
+
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--ranks", type=_positive_int, default=2, help="world size (processes); default 2")
-    parser.add_argument("--steps", type=_positive_int, default=5, help="optimizer steps; default 5")
-    parser.add_argument("--layers", type=_positive_int, default=2, help="decoder layers; default 2")
+    parser.add_argument("--ranks", type=positive_int, default=2, help="world size (processes); default 2")
+    parser.add_argument("--steps", type=positive_int, default=5, help="optimizer steps; default 5")
+    parser.add_argument("--layers", type=positive_int, default=2, help="decoder layers; default 2")
     parser.add_argument("--compile", choices=("on", "off", "both"), default="both",
                         help=f"{ENV_COMPILE} for the ranks; 'both' runs off then on and compares (default)")
     parser.add_argument("--strategy", choices=("fsdp2", "fsdp1"), default="fsdp2", help="default fsdp2")

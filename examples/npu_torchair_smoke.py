@@ -25,9 +25,9 @@ import sys
 
 import torch
 
+from qwen_npu_compile.check.harness import DTYPES
 from qwen_npu_compile.cli import positive_int
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 #: Largest accepted |loss_compiled - loss_eager| / |loss_eager| per step. Half precision: the fused
 #: kernels compute in fp32 and round once where HF's modeling code rounds intermediates, so the two
@@ -76,8 +76,9 @@ def train(model, runner, input_ids, steps: int, lr: float) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from qwen_npu_compile import ensure_npu_ops, get_reports, models
-    from qwen_npu_compile.cli import FUSED_GE_OPS
+    from qwen_npu_compile import ensure_npu_ops, get_reports
+    from qwen_npu_compile.check import models
+    from qwen_npu_compile.check.table import FUSED_GE_OPS
     from qwen_npu_compile.torchair_offline import TorchairUnavailableError
 
     status = ensure_npu_ops()

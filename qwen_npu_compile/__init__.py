@@ -7,7 +7,7 @@ package never imports torch_npu; the npu ops are resolved (real or simulated) at
 from .config import ALL_FAMILIES, QwenNpuConfig
 from .npu_ops import NpuOpsStatus, ensure_npu_ops
 from .report import FusionError, GraphReport, get_reports
-from .worker import CompiledLayers, maybe_compile
+from .integrations.worker import CompiledLayers, maybe_compile
 
 __all__ = [
     "ALL_FAMILIES",

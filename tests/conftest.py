@@ -1,16 +1,20 @@
-"""Shared fixtures: a clean Dynamo/qwen_npu state per test, tiny Qwen2 models, compile helpers."""
+"""Shared fixtures (a clean Dynamo/qwen_npu state per test, the npu ops) and the parity assertion.
+
+The tiny Qwen2 (``tiny_qwen2``, ``tiny_qwen2_config``), the forward/backward step (``run_model``) and the
+parity rule (``judge_runs``) are the ``check`` harness's own (:mod:`qwen_npu_compile.check`), so the
+tests judge parity exactly as ``qwen-npu-compile check`` and the README do.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import transformers
+from torch._functorch.aot_autograd import aot_function, make_boxed_func
 
 from qwen_npu_compile import ensure_npu_ops
+from qwen_npu_compile.check.harness import fp32_reference, run_model
+from qwen_npu_compile.check.parity import gradient_mismatch, judge_runs, problems
 from qwen_npu_compile.report import SUMMARY
-
-#: Relative parity tolerances of the tests: max|compiled - eager| / max|eager|.
-RTOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
 @pytest.fixture(autouse=True)
@@ -35,47 +39,48 @@ def simulated_npu_ops(npu_ops):
     return npu_ops
 
 
-def tiny_qwen2_config(**overrides) -> transformers.Qwen2Config:
-    """A 2-layer Qwen2 (hidden 64, 4 heads, 2 KV heads: GQA, head_dim 16) with no KV cache."""
-    fields = dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, use_cache=False,
-    )
-    fields.update(overrides)
-    return transformers.Qwen2Config(**fields)
+def assert_runs_match(compiled, eager, reference=None) -> dict:
+    """``compiled`` (``(logits, grads)`` of :func:`run_model`) has parity with ``eager`` by
+    :func:`qwen_npu_compile.check.parity.judge_runs` (fp32 bounds; half precision against the fp32
+    ``reference`` run); with gradients, both runs have them for the same parameters. Returns the rows."""
+    assert not gradient_mismatch(compiled, eager), gradient_mismatch(compiled, eager)
+    assert bool(compiled[1]) == bool(eager[1])
+    rows = judge_runs(compiled, eager, reference)
+    assert not problems(rows), rows
+    return rows
 
 
-def tiny_qwen2(dtype=torch.float32, attn="sdpa", **overrides) -> transformers.Qwen2ForCausalLM:
-    """A random-weight tiny Qwen2ForCausalLM from transformers' real modeling code."""
-    torch.manual_seed(0)
-    config = tiny_qwen2_config(**overrides)
-    model = transformers.Qwen2ForCausalLM._from_config(config, attn_implementation=attn)
-    return model.to(dtype)
-
-
-def run_model(model, runner, input_ids, train: bool, **kwargs):
-    """Forward (and LM-loss backward); returns ``(fp32 logits, {param name: grad})``."""
-    model.zero_grad(set_to_none=True)
-    with torch.set_grad_enabled(train):
-        out = runner(input_ids=input_ids, labels=input_ids if train else None, **kwargs)
-        if train:
-            out.loss.backward()
-    grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return out.logits.detach().float(), grads
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max().clamp_min(1e-30)).item()
+def eager_and_reference(model, input_ids, train: bool, dtype, **kwargs):
+    """``(eager, reference)``: :func:`run_model` of ``model`` eagerly and, for a half-precision ``dtype``,
+    of an fp32 copy (the yardstick of :func:`assert_runs_match`; None for fp32)."""
+    eager = run_model(model, model, input_ids, train, **kwargs)
+    return eager, (fp32_reference(model, input_ids, train, **kwargs) if dtype != torch.float32 else None)
 
 
 def assert_parity(model, input_ids, train: bool, dtype, options=None, dynamic=None, **kwargs):
-    """Compile ``model`` with qwen_npu, compare logits and gradients against eager; return the reports."""
-    eager_logits, eager_grads = run_model(model, model, input_ids, train, **kwargs)
+    """Compile ``model`` with qwen_npu, compare logits and gradients against eager (and, for half
+    precision ``dtype``, an fp32 reference run) with :func:`assert_runs_match`; return the reports."""
+    eager, reference = eager_and_reference(model, input_ids, train, dtype, **kwargs)
     compiled = torch.compile(model, backend="qwen_npu", options=options or {}, dynamic=dynamic)
-    logits, grads = run_model(model, compiled, input_ids, train, **kwargs)
-    assert rel_err(logits, eager_logits) <= RTOL[dtype], rel_err(logits, eager_logits)
-    if train:
-        assert set(grads) == set(eager_grads)
-        worst = max(rel_err(grads[n], eager_grads[n]) for n in grads)
-        assert worst <= 5 * RTOL[dtype], worst
+    assert_runs_match(run_model(model, compiled, input_ids, train, **kwargs), eager, reference)
     return list(SUMMARY.graphs)
+
+
+def aot_traced(fn):
+    """``(compiled, graphs)``: ``fn`` under AOTAutograd (``aot_function``); calling ``compiled`` (and its
+    backward) fills ``graphs["fw"]`` / ``graphs["bw"]`` with the GraphModules AOTAutograd hands over."""
+    graphs = {}
+
+    def record(name):
+        def compiler(gm, example_inputs):
+            graphs[name] = gm
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    return aot_function(fn, fw_compiler=record("fw"), bw_compiler=record("bw")), graphs
+
+
+def call_targets(gm) -> list:
+    """The targets of ``gm``'s ``call_function`` nodes, in graph order."""
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]

@@ -4,7 +4,7 @@ The stacks come from the projects' own files (``shared/reference/user-stacks.md`
 transformers ``>=5.5.3,<5.11`` with torch 2.10/2.11, verl's Ascend Docker images and vllm-ascend up to
 v0.18 run transformers 4.57.x with torch 2.7.1-2.9.0. Each stack gets its own virtual environment
 (torch from the package registry: the CUDA builds run on a CPU), the project installed into it with
-``--no-deps``, and ``pytest -m stack_compat`` (``tests/test_stack_compat.py``: exact fusion counts and
+``--no-deps``, and ``pytest -m stack_compat`` (``tests/e2e/test_stack_compat.py``: exact fusion counts and
 parity, whole-model and per-layer, sdpa and eager, train and infer, padding). The wheels are
 downloaded once into a wheelhouse (``$QWEN_NPU_WHEELHOUSE``, default
 ``~/.cache/qwen_npu_compile/wheelhouse``; ``pip download`` skips files already there) and installed

@@ -7,8 +7,8 @@
 # 2. installs torch 2.13.0 (CPU), transformers 5.10.4 (inside verl 0.9.1's pin >=5.5.3,!=5.6.0,<5.11),
 #    verl 0.9.1 with all its dependencies (accelerate, ray, peft, tensordict, ... as verl declares them),
 #    pytest, and this project (--no-deps, editable: the qwen_npu backend is registered by entry point);
-# 3. runs tests/test_verl_hook.py (its `-m verl` part drives verl's own FSDP engine on the CPU) and
-#    tests/test_trainer.py (accelerate comes with verl);
+# 3. runs tests/e2e/test_verl_hook.py (its `-m verl` part drives verl's own FSDP engine on the CPU) and
+#    tests/e2e/test_trainer.py (accelerate comes with verl);
 # 4. prints how long the install and the tests took.
 #
 # Environment: PYTHON (default python3.11, else python3), VERL_ENV_KEEP=1 keeps the venv and prints its path.
@@ -40,7 +40,7 @@ print(f"verl_env_check: verl {verl.__version__}, torch {torch.__version__}, tran
       f"accelerate {accelerate.__version__}")' 2>&1 | grep '^verl_env_check' || { echo "verl_env_check: preflight import failed"; exit 1; }
 
 set +e
-(cd "$repo" && "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_verl_hook.py tests/test_trainer.py)
+(cd "$repo" && "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider tests/e2e/test_verl_hook.py tests/e2e/test_trainer.py)
 status=$?
 set -e
 echo "verl_env_check: tests took $(( $(date +%s) - installed ))s (pytest exit $status)"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..compat import guard_or_false
+from .define import define_op
 
 ADD_RMS_NORM_SCHEMA = "npu_add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor)"
 
@@ -102,6 +103,4 @@ def _fake_add_rms_norm(x1, x2, gamma, epsilon=1e-6):
 
 def register(lib: torch.library.Library) -> None:
     """Define the op in ``lib`` (the ``npu`` namespace) with its kernel and fake; no autograd (as torch_npu)."""
-    lib.define(ADD_RMS_NORM_SCHEMA)
-    lib.impl("npu_add_rms_norm", reference_add_rms_norm, "CompositeExplicitAutograd")
-    torch.library.register_fake("npu::npu_add_rms_norm", _fake_add_rms_norm, lib=lib)
+    define_op(lib, ADD_RMS_NORM_SCHEMA, reference_add_rms_norm, _fake_add_rms_norm)

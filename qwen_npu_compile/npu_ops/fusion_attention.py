@@ -51,6 +51,7 @@ import functools
 
 import torch
 from ..compat import guard_or_false
+from .define import define_op
 
 FUSION_ATTENTION_SCHEMA = (
     "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, "
@@ -787,12 +788,5 @@ def _backward(ctx, grad_out, *unused_grads):
 
 def register(lib: torch.library.Library) -> None:
     """Define both ops in ``lib`` (the ``npu`` namespace) with kernels, fakes and autograd."""
-    lib.define(FUSION_ATTENTION_SCHEMA)
-    lib.define(FUSION_ATTENTION_GRAD_SCHEMA)
-    lib.impl("npu_fusion_attention", reference_fusion_attention, "CompositeExplicitAutograd")
-    lib.impl("npu_fusion_attention_grad", reference_fusion_attention_grad, "CompositeExplicitAutograd")
-    torch.library.register_fake("npu::npu_fusion_attention", _fake_fusion_attention, lib=lib)
-    torch.library.register_fake("npu::npu_fusion_attention_grad", _fake_fusion_attention_grad, lib=lib)
-    torch.library.register_autograd(
-        "npu::npu_fusion_attention", _backward, setup_context=_setup_context, lib=lib
-    )
+    define_op(lib, FUSION_ATTENTION_SCHEMA, reference_fusion_attention, _fake_fusion_attention, _backward, _setup_context)
+    define_op(lib, FUSION_ATTENTION_GRAD_SCHEMA, reference_fusion_attention_grad, _fake_fusion_attention_grad)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..compat import guard_or_false
+from .define import define_op
 
 RMS_NORM_SCHEMA = "npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)"
 RMS_NORM_BACKWARD_SCHEMA = (
@@ -129,10 +130,5 @@ def _backward(ctx, grad_y, grad_rstd):
 
 def register(lib: torch.library.Library) -> None:
     """Define both ops in ``lib`` (the ``npu`` namespace) with kernels, fakes and autograd."""
-    lib.define(RMS_NORM_SCHEMA)
-    lib.define(RMS_NORM_BACKWARD_SCHEMA)
-    lib.impl("npu_rms_norm", reference_rms_norm, "CompositeExplicitAutograd")
-    lib.impl("npu_rms_norm_backward", reference_rms_norm_backward, "CompositeExplicitAutograd")
-    torch.library.register_fake("npu::npu_rms_norm", _fake_rms_norm, lib=lib)
-    torch.library.register_fake("npu::npu_rms_norm_backward", _fake_rms_norm_backward, lib=lib)
-    torch.library.register_autograd("npu::npu_rms_norm", _backward, setup_context=_setup_context, lib=lib)
+    define_op(lib, RMS_NORM_SCHEMA, reference_rms_norm, _fake_rms_norm, _backward, _setup_context)
+    define_op(lib, RMS_NORM_BACKWARD_SCHEMA, reference_rms_norm_backward, _fake_rms_norm_backward)

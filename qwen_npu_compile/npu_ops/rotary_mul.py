@@ -27,6 +27,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ..compat import guard_or_false
+from .define import define_op
 
 ROTARY_MUL_SCHEMA = (
     "npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half', Tensor? rotate=None) -> Tensor"
@@ -340,10 +341,5 @@ def _backward(ctx, grad):
 
 def register(lib: torch.library.Library) -> None:
     """Define both ops in ``lib`` (the ``npu`` namespace) with kernels, fakes and autograd."""
-    lib.define(ROTARY_MUL_SCHEMA)
-    lib.define(ROTARY_MUL_BACKWARD_SCHEMA)
-    lib.impl("npu_rotary_mul", reference_rotary_mul, "CompositeExplicitAutograd")
-    lib.impl("npu_rotary_mul_backward", reference_rotary_mul_backward, "CompositeExplicitAutograd")
-    torch.library.register_fake("npu::npu_rotary_mul", _fake_rotary_mul, lib=lib)
-    torch.library.register_fake("npu::npu_rotary_mul_backward", _fake_rotary_mul_backward, lib=lib)
-    torch.library.register_autograd("npu::npu_rotary_mul", _backward, setup_context=_setup_context, lib=lib)
+    define_op(lib, ROTARY_MUL_SCHEMA, reference_rotary_mul, _fake_rotary_mul, _backward, _setup_context)
+    define_op(lib, ROTARY_MUL_BACKWARD_SCHEMA, reference_rotary_mul_backward, _fake_rotary_mul_backward)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..compat import guard_or_false
+from .define import define_op
 
 SWIGLU_SCHEMA = "npu_swiglu(Tensor self, int dim=-1) -> Tensor"
 SWIGLU_BACKWARD_SCHEMA = "npu_swiglu_backward(Tensor grad_output, Tensor self, int dim=-1) -> Tensor"
@@ -105,10 +106,5 @@ def _backward(ctx, grad):
 
 def register(lib: torch.library.Library) -> None:
     """Define both ops in ``lib`` (the ``npu`` namespace) with kernels, fakes and autograd."""
-    lib.define(SWIGLU_SCHEMA)
-    lib.define(SWIGLU_BACKWARD_SCHEMA)
-    lib.impl("npu_swiglu", reference_swiglu, "CompositeExplicitAutograd")
-    lib.impl("npu_swiglu_backward", reference_swiglu_backward, "CompositeExplicitAutograd")
-    torch.library.register_fake("npu::npu_swiglu", _fake_swiglu, lib=lib)
-    torch.library.register_fake("npu::npu_swiglu_backward", _fake_swiglu_backward, lib=lib)
-    torch.library.register_autograd("npu::npu_swiglu", _backward, setup_context=_setup_context, lib=lib)
+    define_op(lib, SWIGLU_SCHEMA, reference_swiglu, _fake_swiglu, _backward, _setup_context)
+    define_op(lib, SWIGLU_BACKWARD_SCHEMA, reference_swiglu_backward, _fake_swiglu_backward)

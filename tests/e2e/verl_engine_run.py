@@ -1,9 +1,9 @@
 """Drive verl's own FSDP engine on a CPU: model build, FSDP wrap, two training steps (gloo, world size 1).
 
-Run by tests/test_verl_hook.py in a fresh interpreter, because ``VERL_USE_EXTERNAL_MODULES`` is read
+Run by tests/e2e/test_verl_hook.py in a fresh interpreter, because ``VERL_USE_EXTERNAL_MODULES`` is read
 when verl is imported::
 
-    python tests/verl_engine_run.py SCENARIOS.json OUT.json
+    python tests/e2e/verl_engine_run.py SCENARIOS.json OUT.json
 
 ``SCENARIOS.json`` maps a name to ``strategy`` (``fsdp2``/``fsdp``), ``use_orig_params``,
 ``param_dtype`` (``fp32``/``bf16``: FSDP mixed precision, and verl's autocast dtype),
@@ -116,13 +116,12 @@ LENGTHS = (12, 16, 9, 16)  # padded to 16 per micro-batch: the attention graph h
 
 
 def save_tiny_qwen2(folder: str) -> None:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
+
+    from qwen_npu_compile.check.models import tiny_qwen2_config
 
     torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=256,
-                         tie_word_embeddings=False)
-    Qwen2ForCausalLM(config).save_pretrained(folder)
+    Qwen2ForCausalLM(tiny_qwen2_config(tie_word_embeddings=False, use_cache=True)).save_pretrained(folder)
 
 
 def batch(step: int):

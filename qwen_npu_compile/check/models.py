@@ -19,6 +19,9 @@ directory with ``model_type`` qwen3, llama or mistral is accepted too.
 
 The memory estimate (:func:`estimate_memory_bytes`) lets the caller refuse a run that would not fit
 (:func:`available_memory_bytes`).
+
+:data:`TINY_QWEN2`, :func:`tiny_qwen2_config` and :func:`tiny_qwen2` are the one tiny Qwen2 of the tests,
+examples and quick benchmarks (transformers' real modeling code, random weights, CPU-sized).
 """
 
 from __future__ import annotations
@@ -431,7 +434,7 @@ def resolve_model_config(model: str) -> Qwen2Config:
     )
 
 
-def _with_layers(config: Qwen2Config, layers: int) -> Qwen2Config:
+def with_layers(config: Qwen2Config, layers: int) -> Qwen2Config:
     """A copy of ``config`` with ``num_hidden_layers=layers`` and ``use_cache=False``.
 
     transformers 5.x validates ``len(layer_types) == num_hidden_layers``, so a ``layer_types`` list is
@@ -444,6 +447,32 @@ def _with_layers(config: Qwen2Config, layers: int) -> Qwen2Config:
     if isinstance(layer_types, list):
         data["layer_types"] = layer_types[:layers]
     return type(config).from_dict(data)
+
+
+#: The tiny Qwen2 of the tests, examples and quick benchmarks: 2 decoder layers, hidden 64, 4 attention
+#: heads and 2 KV heads (GQA, head_dim 16), intermediate 128, vocab 128, no KV cache. Other families'
+#: configs (Qwen3, Llama, Mistral) accept the same fields.
+TINY_QWEN2: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=128, max_position_embeddings=256, use_cache=False,
+)  # fmt: skip
+
+
+def tiny_qwen2_config(**overrides: Any) -> Qwen2Config:
+    """:data:`TINY_QWEN2` as a :class:`transformers.Qwen2Config`, with ``overrides`` (any config field) applied."""
+    return Qwen2Config(**{**TINY_QWEN2, **overrides})
+
+
+def tiny_qwen2(dtype: torch.dtype = torch.float32, attn: str = "sdpa", **overrides: Any) -> Qwen2ForCausalLM:
+    """A random-weight tiny :class:`transformers.Qwen2ForCausalLM` (:func:`tiny_qwen2_config` ``(**overrides)``).
+
+    Weights come from ``torch.manual_seed(0)`` and transformers' initialisation (equal calls, equal
+    weights), then are cast to ``dtype``; ``attn`` is the ``attn_implementation`` (``"sdpa"`` or ``"eager"``).
+    The model is in transformers' default mode (``.train()`` is the caller's).
+    """
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM._from_config(tiny_qwen2_config(**overrides), attn_implementation=attn)
+    return model.to(dtype)
 
 
 def _transformers_major_minor() -> tuple[int, int]:
@@ -516,7 +545,7 @@ def build_model(
 
     full_config = resolve_model_config(model)
     n_layers = _check_layers(layers, full_config.num_hidden_layers)
-    config = _with_layers(full_config, n_layers)
+    config = with_layers(full_config, n_layers)
 
     directory = _local_dir(model)
     dtype_kw = {_dtype_kwarg(): dtype}

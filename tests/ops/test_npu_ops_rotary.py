@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._functorch.aot_autograd import aot_function, make_boxed_func
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from conftest import aot_traced, call_targets as targets
 from qwen_npu_compile.npu_ops import rotary_mul
 
 
@@ -172,25 +172,13 @@ def test_opcheck():
 
 
 def test_aot_backward_graph_contains_backward_op():
-    graphs = {}
-
-    def record(name):
-        def compiler(gm, example_inputs):
-            graphs[name] = gm
-            return make_boxed_func(gm.forward)
-
-        return compiler
-
     def fn(x, cos, sin):
         return rotary(x, cos, sin) * 2
 
     x, cos, sin = _inputs((2, 5, 3, 64), (1, 5, 1, 64), torch.float32)
-    compiled = aot_function(fn, fw_compiler=record("fw"), bw_compiler=record("bw"))
+    compiled, graphs = aot_traced(fn)
     out = compiled(x, cos, sin)
     grads = torch.autograd.grad(out.sum(), (x, cos, sin))
-
-    def targets(gm):
-        return [n.target for n in gm.graph.nodes if n.op == "call_function"]
 
     assert torch.ops.npu.npu_rotary_mul.default in targets(graphs["fw"])
     assert targets(graphs["bw"]).count(torch.ops.npu.npu_rotary_mul_backward.default) == 1

@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from conftest import RTOL, assert_parity, rel_err, tiny_qwen2
+from conftest import assert_parity
+from qwen_npu_compile.check.models import tiny_qwen2
+from qwen_npu_compile.check.parity import FP32_TOLERANCE, relative_l2
 from qwen_npu_compile import backend, get_reports
 from qwen_npu_compile.config import QwenNpuConfig
 from qwen_npu_compile.fusion import CompileTarget
@@ -46,38 +48,6 @@ def _assert_fused_per_layer(reports, train, layers=LAYERS):
             assert report.aot_ops["backward"] == {"npu_fusion_attention_grad": layers}
 
 
-def _parity_on_real_tokens(model, input_ids, attention_mask, train, dtype, dynamic):
-    """Like ``assert_parity``, but padded query rows are left out of the comparison and the loss.
-
-    A left-padded query row is fully masked. HF's eager chain gives it the mean of V (``finfo.min``
-    absorbs the scores), SDPA and the fused kernel give 0: garbage either way, and HF compares eager
-    with sdpa on real tokens only. Real tokens never attend to padding, so they must agree exactly.
-    """
-    real = attention_mask.bool()
-    real_before = torch.cat([torch.zeros_like(real[:, :1]), real[:, :-1]], dim=1)
-    labels = input_ids.masked_fill(~(real & real_before), -100)  # no padded logits row in the loss
-
-    def run(runner):
-        model.zero_grad(set_to_none=True)
-        with torch.set_grad_enabled(train):
-            out = runner(
-                input_ids=input_ids, attention_mask=attention_mask, labels=labels if train else None, use_cache=False
-            )
-            if train:
-                out.loss.backward()
-        grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
-        return out.logits.detach().float()[real], grads
-
-    eager_logits, eager_grads = run(model)
-    logits, grads = run(torch.compile(model, backend="qwen_npu", options=ATTN, dynamic=dynamic))
-    assert rel_err(logits, eager_logits) <= RTOL[dtype], rel_err(logits, eager_logits)
-    if train:
-        assert set(grads) == set(eager_grads)
-        worst = max(rel_err(grads[n], eager_grads[n]) for n in grads)
-        assert worst <= 5 * RTOL[dtype], worst
-    return get_reports()
-
-
 # (attn, shape, padded, train, dtype, dynamic): the forms a Qwen2 model graph shows (SDPA shape 1 with the
 # packed-sequence mask and with padding, MHA, the eager chain in train and eval), both head dims, GQA and
 # not, fp32 and bf16, train and eval; dynamic=True once on a whole model (repeat_kv under a symbolic S). A
@@ -105,11 +75,9 @@ def test_exact_counts_and_parity(npu_ops, case):
     model = tiny_qwen2(dtype, attn=attn, intermediate_size=128, **SHAPES[shape]).train(train)
     input_ids = torch.randint(0, 128, (2, 16))
     mask = _left_padding_mask() if padded else None
-    if attn == "eager" and padded:
-        reports = _parity_on_real_tokens(model, input_ids, mask, train, dtype, dynamic or None)
-    else:
-        extra = {"use_cache": False, **({"attention_mask": mask} if padded else {})}
-        reports = assert_parity(model, input_ids, train, dtype, options=ATTN, dynamic=dynamic or None, **extra)
+    # with a mask, run_model compares real tokens only: a left-padded query row is fully masked, where
+    # HF's eager chain gives the mean of V and SDPA and the fused kernel 0; real tokens never read it
+    reports = assert_parity(model, input_ids, train, dtype, options=ATTN, dynamic=dynamic or None, attention_mask=mask)
     assert len(reports) == 1
     _assert_fused_per_layer(reports, train)
 
@@ -148,8 +116,8 @@ def test_hf_attention_functions_with_symbolic_batch_and_length(npu_ops, impl):
         grads = torch.autograd.grad(out.square().sum(), (q, k, v))
         ref = attention(q, k, v, keep)
         ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
-        assert rel_err(out, ref) <= RTOL[torch.float32]
-        assert max(rel_err(g, r) for g, r in zip(grads, ref_grads)) <= 5 * RTOL[torch.float32]
+        assert relative_l2(out, ref) <= FP32_TOLERANCE["logits"]
+        assert relative_l2(dict(enumerate(grads)), dict(enumerate(ref_grads))) <= FP32_TOLERANCE["gradients"]
     (report,) = get_reports()
     assert report.fusions["attention"] == 1 and _attention_refusals(report) == []
     assert report.aot_ops["backward"] == {"npu_fusion_attention_grad": 1}
@@ -175,7 +143,7 @@ def test_kv_cache_prefill_then_decode(npu_ops):
     compiled = generate(torch.compile(model, backend="qwen_npu", options=ATTN))
     assert [tuple(t.shape) for t in compiled] == [(1, 8, 128), (1, 1, 128), (1, 1, 128)]
     for got, want in zip(compiled, eager):
-        assert rel_err(got, want) <= RTOL[torch.float32]
+        assert relative_l2(got, want) <= FP32_TOLERANCE["logits"]
     reports = get_reports()
     assert len(reports) == 3  # prefill, decode (static), decode (symbolic cache length)
     _assert_fused_per_layer(reports, train=False)

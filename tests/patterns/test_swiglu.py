@@ -1,9 +1,13 @@
-"""SwiGLU layouts (issue 12): merged gate/up weight (tokens >= hidden) vs activation cat, chosen per graph."""
+"""SwiGLU -> ``npu_swiglu``: the layouts (issue 12: merged gate/up weight when tokens >= hidden, else the
+activation cat, chosen per graph) with exact counts and parity, and the negatives (an activation used
+outside the product, mismatched dtypes). Counts on whole models with RMSNorm: tests/patterns/test_rms_norm.py."""
 
 import pytest
 import torch
 
-from conftest import assert_parity, tiny_qwen2
+from conftest import assert_parity
+from qwen_npu_compile import get_reports
+from qwen_npu_compile.check.models import tiny_qwen2
 
 LAYERS = 2
 CORE = {"fusions": "rms_norm,swiglu"}
@@ -72,3 +76,32 @@ def test_lora_like_linear_falls_back_to_activation_cat(npu_ops):
         layer.mlp.gate_proj.bias = torch.nn.Parameter(torch.zeros(128))
     reports = assert_parity(model, torch.randint(0, 128, (2, 48)), False, torch.float32, options=CORE)
     assert reports[0].fusions == {"rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS}
+
+
+# --- negatives --------------------------------------------------------------------------------------
+
+
+class SwiGluLeakingActivation(torch.nn.Module):
+    def forward(self, gate, up):
+        act = torch.nn.functional.silu(gate)
+        return act * up, act.sum()
+
+
+def test_activation_used_outside_swiglu_is_not_fused(npu_ops):
+    gate, up = torch.randn(2, 4, 16), torch.randn(2, 4, 16)
+    torch.compile(SwiGluLeakingActivation(), backend="qwen_npu", options=CORE)(gate, up)
+    [report] = get_reports()
+    assert report.fusions["swiglu"] == 0
+    (refusal,) = [r for r in report.refused if r.family == "swiglu"]
+    assert "used outside" in refusal.reason
+
+
+def test_swiglu_dtype_mismatch_is_refused(npu_ops):
+    def mlp(gate, up):
+        return torch.nn.functional.silu(gate) * up
+
+    gate, up = torch.randn(2, 8, dtype=torch.float16), torch.randn(2, 8, dtype=torch.bfloat16)
+    torch.testing.assert_close(torch.compile(mlp, backend="qwen_npu", options=CORE)(gate, up), mlp(gate, up))
+    [report] = get_reports()
+    (refusal,) = report.refused
+    assert refusal.family == "swiglu" and "dtype mismatch" in refusal.reason

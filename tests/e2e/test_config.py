@@ -71,7 +71,7 @@ def test_mode_is_refused_with_a_pointer_to_downstream(npu_ops):
 
 
 def test_torchair_reduce_overhead_off_npu_is_a_clear_error(simulated_npu_ops):
-    # off-NPU, downstream torchair is the FX->GE conversion check (tests/test_torchair_offline.py);
+    # off-NPU, downstream torchair is the FX->GE conversion check (tests/e2e/test_torchair_offline.py);
     # torchair's ACL-graph mode has no conversion to check
     options = {"downstream": "torchair", "torchair_mode": "reduce-overhead"}
     with pytest.raises(Exception, match=r"torchair_mode 'reduce-overhead' captures an ACL graph on the NPU"):

@@ -22,7 +22,9 @@ import pytest
 import torch
 from transformers.models.qwen2.modeling_qwen2 import rotate_half
 
-from conftest import RTOL, rel_err, run_model, tiny_qwen2
+from conftest import assert_runs_match, eager_and_reference
+from qwen_npu_compile.check.harness import run_model
+from qwen_npu_compile.check.models import tiny_qwen2
 from qwen_npu_compile import get_reports
 from qwen_npu_compile import backend as qwen_backend
 from qwen_npu_compile import ge_converters
@@ -77,11 +79,9 @@ def test_qwen2_training_for_torchair_uses_the_orthogonal_rotary(npu_ops, torchai
     layers = 2
     model = tiny_qwen2(dtype, hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=2).train()
     input_ids = torch.randint(0, 128, (2, 16))
-    eager_logits, eager_grads = run_model(model, model, input_ids, True)
+    eager, reference = eager_and_reference(model, input_ids, True, dtype)
     compiled = torch.compile(model, backend="qwen_npu", options={**TORCHAIR, "fusions": "rotary"})
-    logits, grads = run_model(model, compiled, input_ids, True)
-    assert rel_err(logits, eager_logits) <= RTOL[dtype]
-    assert max(rel_err(grads[n], eager_grads[n]) for n in eager_grads) <= 5 * RTOL[dtype]
+    assert_runs_match(run_model(model, compiled, input_ids, True), eager, reference)
     [report] = get_reports()
     assert report.downstream == "torchair" and report.fusions == {"rotary": 2 * layers}
     assert _refusals(report, "rotary") == []
@@ -99,10 +99,8 @@ def test_qwen2_training_for_torchair_dynamic_sequence_length(npu_ops, torchair_t
     compiled = torch.compile(model, backend="qwen_npu", options={**TORCHAIR, "fusions": "rotary"}, dynamic=True)
     for seq in (16, 11):
         input_ids = torch.randint(0, 128, (2, seq))
-        eager_logits, eager_grads = run_model(model, model, input_ids, True)
-        logits, grads = run_model(model, compiled, input_ids, True)
-        assert rel_err(logits, eager_logits) <= RTOL[dtype]
-        assert max(rel_err(grads[n], eager_grads[n]) for n in eager_grads) <= 5 * RTOL[dtype]
+        eager, reference = eager_and_reference(model, input_ids, True, dtype)
+        assert_runs_match(run_model(model, compiled, input_ids, True), eager, reference)
     [report] = get_reports()
     assert report.fusions == {"rotary": 2 * layers} and _refusals(report, "rotary") == []
     graphs = torchair_target_on_aot_eager
@@ -237,7 +235,7 @@ def test_register_converters_without_torchair_warns_and_registers_nothing(monkey
 
 _CONVERT = textwrap.dedent(
     """
-    import json, sys, torch, transformers
+    import json, sys, torch
     from qwen_npu_compile import get_reports
     from qwen_npu_compile.torchair_offline import TorchairUnavailableError, load_offline_torchair
     try:
@@ -245,10 +243,8 @@ _CONVERT = textwrap.dedent(
     except TorchairUnavailableError as exc:
         print(json.dumps({"unavailable": str(exc)})); sys.exit(0)
     hidden, dtype, dynamic, fusions = json.loads(sys.argv[1])
-    config = transformers.Qwen2Config(hidden_size=hidden, intermediate_size=128, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, use_cache=False)
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa").to(getattr(torch, dtype)).train()
+    from qwen_npu_compile.check.models import tiny_qwen2
+    model = tiny_qwen2(getattr(torch, dtype), hidden_size=hidden, num_hidden_layers=1).train()
     compiled = torch.compile(model, backend="qwen_npu", options={"downstream": "torchair", "fusions": fusions},
                              dynamic=dynamic)
     for seq in ((16, 11) if dynamic else (16,)):

@@ -17,6 +17,7 @@ from transformers.models.qwen2 import modeling_qwen2
 
 import qwen_npu_compile
 from qwen_npu_compile import ALL_FAMILIES, maybe_compile
+from qwen_npu_compile.check.models import tiny_qwen2_config
 from qwen_npu_compile.worker import ENV_COMPILE, CompiledLayers, clean_name, find_decoder_layers, layer_reports
 
 LAYERS = 2
@@ -24,16 +25,7 @@ PER_LAYER = {"rms_norm": 2, "swiglu": 1, "rotary": 2, "attention": 1}  # one Qwe
 
 
 def tiny_config(**overrides) -> Qwen2Config:
-    fields = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-    )
-    fields.update(overrides)
-    return Qwen2Config(**fields)
+    return tiny_qwen2_config(num_hidden_layers=LAYERS, **overrides)
 
 
 def model_pair(seed: int = 0, **config):

@@ -13,8 +13,9 @@ import torch
 
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (pip install accelerate)")
 
-from transformers import Qwen2Config, Qwen2ForCausalLM, Trainer, TrainingArguments  # noqa: E402
+from transformers import Trainer, TrainingArguments  # noqa: E402
 
+from qwen_npu_compile.check.models import tiny_qwen2  # noqa: E402
 from qwen_npu_compile.hf_trainer import QwenNpuCompileCallback  # noqa: E402
 from qwen_npu_compile.worker import ENV_COMPILE, layer_reports  # noqa: E402
 
@@ -36,13 +37,6 @@ class Tokens(torch.utils.data.Dataset):
 
     def __getitem__(self, index):
         return {"input_ids": self.rows[index], "labels": self.rows[index]}
-
-
-def tiny_qwen2() -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
-    return Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa")
 
 
 def train(tmp_path, callbacks=(), checkpointing=False, **arguments):

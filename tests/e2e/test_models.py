@@ -1,4 +1,4 @@
-"""Tests for qwen_npu_compile.models: presets, local directories, layer overrides, memory estimate."""
+"""Tests for qwen_npu_compile.check.models: presets, local directories, layer overrides, memory estimate."""
 
 from __future__ import annotations
 
@@ -8,14 +8,15 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from qwen_npu_compile import models
-from qwen_npu_compile.models import (
+from qwen_npu_compile.check import models
+from qwen_npu_compile.check.models import (
     PRESETS,
     build_model,
     estimate_memory_bytes,
     estimate_num_parameters,
     resolve_model_config,
 )
+from qwen_npu_compile.check.models import tiny_qwen2_config as tiny_config
 
 REQUIRED_PRESETS = {
     "qwen2-0.5b",
@@ -29,19 +30,6 @@ REQUIRED_PRESETS = {
     "qwen2.5-32b",
     "qwen2.5-72b",
 }
-
-
-def tiny_config(**overrides) -> Qwen2Config:
-    fields = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-    )
-    fields.update(overrides)
-    return Qwen2Config(**fields)
 
 
 @pytest.fixture(scope="module")

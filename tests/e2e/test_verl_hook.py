@@ -30,18 +30,15 @@ import torch
 import qwen_npu_compile.verl as hook
 from qwen_npu_compile.worker import ENV_COMPILE, layer_reports
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PER_LAYER = {"rms_norm": 2, "swiglu": 1, "rotary": 2, "attention": 1}  # one Qwen2 decoder layer graph
 VERL_INSTALLED = importlib.util.find_spec("verl") is not None
 
 
 def tiny_qwen2(layers: int = 2):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from qwen_npu_compile.check.models import tiny_qwen2
 
-    torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, use_cache=False)
-    return Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa").train()
+    return tiny_qwen2(num_hidden_layers=layers).train()
 
 
 def compiled_layers(model) -> list[bool]:
@@ -339,7 +336,7 @@ def test_legacy_worker_is_hooked_when_the_release_has_it(tmp_path):
 # --------------------------------------------------------------------------------------------------
 # verl 0.9.1's own engine (pytest -m verl; needs verl installed)
 
-ENGINE_RUN = ROOT / "tests" / "verl_engine_run.py"
+ENGINE_RUN = Path(__file__).with_name("verl_engine_run.py")
 needs_verl = pytest.mark.skipif(
     not VERL_INSTALLED,
     reason="verl is not installed here; tools/verl_env_check.sh makes a venv with verl 0.9.1 and runs these",
@@ -356,7 +353,7 @@ SCENARIOS = {
                          "forward_only": True},
     # verl's default FSDP1 setting: refused with QWEN_NPU_COMPILE=1 before FSDP1 is called. (FSDP1 itself
     # cannot run here: verl passes sync_module_states=True, which FSDP1 allows on GPUs only; FSDP1 with
-    # use_orig_params=True is trained by tests/test_fsdp.py, in verl's order, with the same maybe_compile.)
+    # use_orig_params=True is trained by tests/e2e/test_fsdp.py, in verl's order, with the same maybe_compile.)
     "fsdp1_flat_params": {"strategy": "fsdp", "use_orig_params": False, "param_dtype": "fp32",
                           "gradient_checkpointing": False},
 }

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "fsdp_train.py"
 RANKS, LAYERS, STEPS = 2, 2, 3
 ATOL = 1e-5  # fp32: compiled and eager losses agree to ~1e-7

@@ -12,7 +12,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb, rotate_half
 
-from conftest import RTOL, assert_parity, rel_err, run_model, tiny_qwen2
+from conftest import assert_parity, assert_runs_match, eager_and_reference
+from qwen_npu_compile.check.harness import run_model
+from qwen_npu_compile.check.models import tiny_qwen2
+from qwen_npu_compile.check.parity import FP32_TOLERANCE, relative_l2
 from qwen_npu_compile import get_reports
 from qwen_npu_compile.patterns.rotary import check_rotary
 
@@ -83,10 +86,8 @@ def test_dynamic_shapes_one_graph_with_backward(npu_ops):
     for batch, seq in ((2, 16), (3, 11)):
         input_ids = torch.randint(0, 128, (batch, seq))
         kwargs = padded_inputs(batch, seq)
-        eager_logits, eager_grads = run_model(model, model, input_ids, True, **kwargs)
-        logits, grads = run_model(model, compiled, input_ids, True, **kwargs)
-        assert rel_err(logits, eager_logits) <= RTOL[dtype]
-        assert max(rel_err(grads[n], eager_grads[n]) for n in eager_grads) <= 5 * RTOL[dtype]
+        eager, reference = eager_and_reference(model, input_ids, True, dtype, **kwargs)
+        assert_runs_match(run_model(model, compiled, input_ids, True, **kwargs), eager, reference)
     [report] = get_reports()
     assert report.fusions == {"rotary": 2 * layers}
     assert report.aot_ops == {
@@ -112,7 +113,7 @@ def test_prefill_and_decode_with_dynamic_cache_fuse_in_bsnd(npu_ops, tmp_path):
     compiled = torch.compile(model, backend="qwen_npu", options={**ROTARY, "dump_dir": str(tmp_path)})
     got = prefill_and_decode(compiled)
     for actual, reference in zip(got, expected):
-        assert rel_err(actual, reference) <= RTOL[torch.float32]
+        assert relative_l2(actual, reference) <= FP32_TOLERANCE["logits"]
 
     prefill_report, decode_report = get_reports()
     assert [r.fusions for r in (prefill_report, decode_report)] == [{"rotary": 2 * LAYERS}] * 2

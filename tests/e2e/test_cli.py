@@ -7,8 +7,9 @@ import subprocess
 import pytest
 import torch
 
-from conftest import tiny_qwen2_config
-from qwen_npu_compile import cli, models
+from qwen_npu_compile import cli
+from qwen_npu_compile.check import harness, models
+from qwen_npu_compile.check.models import tiny_qwen2_config
 
 
 @pytest.fixture
@@ -72,7 +73,7 @@ def test_bad_arguments_exit_2():
 
 
 def test_expected_counts_follow_the_config():
-    assert cli.expected_fusions(24, {"rms_norm", "swiglu", "rotary", "attention"}) == {
+    assert harness.expected_fusions(24, {"rms_norm", "swiglu", "rotary", "attention"}) == {
         "rms_norm": 49, "swiglu": 24, "rotary": 48, "attention": 24}
 
 

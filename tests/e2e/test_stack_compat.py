@@ -3,8 +3,8 @@
 CI runs this file alone in one virtual environment per supported stack (``tools/stack_matrix.py``:
 ``pytest -m stack_compat``; torch 2.7.1 to 2.13.0 x transformers 4.57.6 / 5.10.4 / 5.24.0), and it is
 part of the primary suite. It uses only what every supported stack has: transformers' real Qwen2
-modeling code on a tiny random config (``conftest.tiny_qwen2``: hidden 64, 2 layers, 4 heads, 2 KV
-heads = GQA), compiled
+modeling code on a tiny random config (``qwen_npu_compile.check.models.tiny_qwen2``: hidden 64, 2 layers,
+4 heads, 2 KV heads = GQA), compiled
 
 * whole-model (``torch.compile(model, backend="qwen_npu")``; on transformers 4.53-4.57 the graph
   holds the ``torch.vmap``-built masks, which must be fused, not fallen back), and
@@ -12,9 +12,10 @@ heads = GQA), compiled
   outside the layers),
 
 with sdpa and eager attention, bf16 training and fp32 inference, with and without left padding.
-Each case asserts exact fusion counts, no fallback, no refusal, and parity with eager: fp32 relative
-L2 error <= 1e-5 on logits and <= 1e-4 on all gradients together; bf16 as ``conftest.assert_parity``
-judges it (max-abs relative error <= 3e-2 on logits, <= 1.5e-1 per gradient). The fusion totals go
+Each case asserts exact fusion counts, no fallback, no refusal, and parity with eager as ``check``
+judges it (``qwen_npu_compile.check.parity``): fp32 relative L2 error <= 1e-5 on logits and <= 1e-4 on
+all gradients together; bf16 against an fp32 run of the same weights (relative L2 to it <= 2 x eager's
++ 1e-3), logits of real tokens only with left padding. The fusion totals go
 to the junit report (``record_property("fusions", ...)``), from which the README's support table is
 generated. Nothing global is written: the compile switch is passed to ``maybe_compile`` as
 ``environ``, no dump folder, and conftest resets Dynamo and the report summary around every test.
@@ -28,8 +29,11 @@ import logging
 import pytest
 import torch
 
-from conftest import RTOL, rel_err, tiny_qwen2
+from conftest import assert_runs_match, eager_and_reference
 from qwen_npu_compile import canonicalize, compat, maybe_compile
+from qwen_npu_compile.check.harness import run_model
+from qwen_npu_compile.check.models import tiny_qwen2
+from qwen_npu_compile.check.parity import relative_l2
 from qwen_npu_compile.report import SUMMARY
 from qwen_npu_compile.worker import ENV_COMPILE, layer_reports
 
@@ -58,65 +62,26 @@ def _left_padding(seq: int = SEQ, pad: int = PAD) -> torch.Tensor:
     return mask
 
 
-def _run(model, runner, input_ids, attention_mask, train: bool):
-    """Forward (and LM-loss backward); ``(fp32 logits of real tokens, {param: fp32 grad})``.
-
-    With left padding, the logits of padded query rows are left out of the comparison and of the
-    loss (labels -100 where the row a label is predicted from is padding; HF shifts labels by one).
-    Those rows are fully masked: HF's eager softmax gives them the mean of V, SDPA and
-    npu_fusion_attention give 0 (issue #10 item 4); real tokens never attend to padding.
-    """
-    labels = input_ids
-    rows = torch.ones_like(input_ids, dtype=torch.bool)
-    if attention_mask is not None:
-        rows = attention_mask.bool()
-        row_before = torch.cat([torch.zeros_like(rows[:, :1]), rows[:, :-1]], dim=1)
-        labels = input_ids.masked_fill(~(rows & row_before), -100)
-    model.zero_grad(set_to_none=True)
-    with torch.set_grad_enabled(train):
-        out = runner(input_ids=input_ids, attention_mask=attention_mask, labels=labels if train else None)
-        if train:
-            out.loss.backward()
-    grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return out.logits.detach().float()[rows], grads
-
-
-def _rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
-
-
-def _assert_parity(actual, expected, train: bool, dtype) -> None:
-    (logits, grads), (eager_logits, eager_grads) = actual, expected
-    if train:
-        assert set(grads) == set(eager_grads) and grads
-    if dtype == torch.float32:
-        assert _rel_l2(logits, eager_logits) <= 1e-5, _rel_l2(logits, eager_logits)
-        if train:
-            names = sorted(grads)
-            flat = torch.cat([grads[n].flatten() for n in names])
-            eager_flat = torch.cat([eager_grads[n].flatten() for n in names])
-            assert _rel_l2(flat, eager_flat) <= 1e-4, _rel_l2(flat, eager_flat)
-    else:  # half precision: as conftest.assert_parity judges it
-        assert rel_err(logits, eager_logits) <= RTOL[dtype], rel_err(logits, eager_logits)
-        if train:
-            worst = max(rel_err(grads[n], eager_grads[n]) for n in grads)
-            assert worst <= 5 * RTOL[dtype], worst
-
-
 def _assert_clean(report) -> None:
     assert report.fallback is None, report.fallback
     assert [r for r in report.refused if r.family in FAMILIES] == [], report.refused
+
+
+def _eager_case(attn: str, mode: str, padded: bool):
+    """The tiny Qwen2 of one case, its tokens and padding mask, and its eager (and fp32 reference) run."""
+    train, dtype = MODES[mode]
+    model = tiny_qwen2(dtype, attn=attn).train(train)
+    input_ids, mask = _tokens(), _left_padding() if padded else None
+    expected, reference = eager_and_reference(model, input_ids, train, dtype, attention_mask=mask)
+    return model, input_ids, mask, train, expected, reference
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["no_padding", "left_padding"])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_whole_model(attn, mode, padded, record_property):
-    train, dtype = MODES[mode]
-    model = tiny_qwen2(dtype, attn=attn).train(train)
-    input_ids, mask = _tokens(), _left_padding() if padded else None
-    expected = _run(model, model, input_ids, mask, train)
-    actual = _run(model, torch.compile(model, backend="qwen_npu"), input_ids, mask, train)
+    model, input_ids, mask, train, expected, reference = _eager_case(attn, mode, padded)
+    actual = run_model(model, torch.compile(model, backend="qwen_npu"), input_ids, train, mask)
 
     reports = list(SUMMARY.graphs)
     totals = {f: sum(r.fusions.get(f, 0) for r in reports) for f in FAMILIES}
@@ -124,20 +89,17 @@ def test_whole_model(attn, mode, padded, record_property):
     assert len(reports) == 1, [r.name for r in reports]
     _assert_clean(reports[0])
     assert totals == WHOLE_MODEL
-    _assert_parity(actual, expected, train, dtype)
+    assert_runs_match(actual, expected, reference)
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["no_padding", "left_padding"])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_per_layer(attn, mode, padded, record_property):
-    train, dtype = MODES[mode]
-    model = tiny_qwen2(dtype, attn=attn).train(train)
-    input_ids, mask = _tokens(), _left_padding() if padded else None
-    expected = _run(model, model, input_ids, mask, train)
+    model, input_ids, mask, train, expected, reference = _eager_case(attn, mode, padded)
     compiled = maybe_compile(model, environ={ENV_COMPILE: "1"})
     assert compiled == [f"model.layers.{i}" for i in range(LAYERS)]
-    actual = _run(model, model, input_ids, mask, train)
+    actual = run_model(model, model, input_ids, train, mask)
 
     records = layer_reports(model)
     assert sorted(records) == list(compiled)
@@ -158,7 +120,7 @@ def test_per_layer(attn, mode, padded, record_property):
         for family in FAMILIES:
             totals[family] += report.fusions.get(family, 0)
     record_property("fusions", json.dumps(totals))
-    _assert_parity(actual, expected, train, dtype)
+    assert_runs_match(actual, expected, reference)
 
 
 @pytest.mark.parametrize(("attn", "dynamic"), [("sdpa", False), ("eager", False), ("sdpa", True)],
@@ -171,12 +133,12 @@ def test_whole_model_fp32_training_with_left_padding(attn, dynamic):
     ``compat.default_partition``)."""
     model = tiny_qwen2(torch.float32, attn=attn).train()
     input_ids, mask = _tokens(), _left_padding()
-    expected = _run(model, model, input_ids, mask, True)
-    actual = _run(model, torch.compile(model, backend="qwen_npu", dynamic=dynamic or None), input_ids, mask, True)
+    expected = run_model(model, model, input_ids, True, mask)
+    actual = run_model(model, torch.compile(model, backend="qwen_npu", dynamic=dynamic or None), input_ids, True, mask)
     (report,) = SUMMARY.graphs
     _assert_clean(report)
     assert report.fusions == WHOLE_MODEL
-    _assert_parity(actual, expected, True, torch.float32)
+    assert_runs_match(actual, expected)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -187,8 +149,7 @@ def test_whole_model_new_lengths_and_paddings(attn):
     compiled = torch.compile(model, backend="qwen_npu")
     for seq, pad in [(16, 5), (24, 3), (11, 0), (20, 9)]:
         input_ids, mask = _tokens(seq, seed=seq), _left_padding(seq, pad)
-        _assert_parity(_run(model, compiled, input_ids, mask, False), _run(model, model, input_ids, mask, False),
-                       False, torch.float32)  # fmt: skip
+        assert_runs_match(run_model(model, compiled, input_ids, False, mask), run_model(model, model, input_ids, False, mask))
     reports = list(SUMMARY.graphs)
     assert len(reports) == 2, [r.name for r in reports]  # the static first graph, then one symbolic graph
     for report in reports:
@@ -222,7 +183,7 @@ def test_vmap_regions_are_desugared_and_fused():
     out = torch.compile(module, backend="qwen_npu")(x)
     (report,) = SUMMARY.graphs
     assert report.fallback is None and report.fusions["rms_norm"] == 1
-    assert _rel_l2(out.detach(), expected.detach()) <= 1e-6
+    assert relative_l2(out.detach(), expected.detach()) <= 1e-6
     assert compat.functorch_depth() == 0
 
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from conftest import assert_parity, tiny_qwen2
+from conftest import assert_parity
+from qwen_npu_compile.check.models import tiny_qwen2
 
 LAYERS = 3
 

@@ -12,11 +12,10 @@ import torch
 import transformers
 
 from conftest import assert_parity
-from qwen_npu_compile import models
+from qwen_npu_compile.check import models
 
 LAYERS = 2
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, use_cache=False)  # fmt: skip
+TINY = dict(models.TINY_QWEN2, num_hidden_layers=LAYERS)
 
 
 def _tiny(family: str, attn: str):

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._functorch.aot_autograd import aot_function, make_boxed_func
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from conftest import aot_traced, call_targets as targets
 from qwen_npu_compile.npu_ops import fusion_attention
 
 
@@ -342,15 +342,6 @@ def test_opcheck():
 
 @pytest.mark.parametrize("keep_prob", [1.0, 0.8])
 def test_aot_backward_graph_contains_grad_op(keep_prob):
-    graphs = {}
-
-    def record(name):
-        def compiler(gm, example_inputs):
-            graphs[name] = gm
-            return make_boxed_func(gm.forward)
-
-        return compiler
-
     layout, nq, s = "BNSD", 4, 5
     q, k, v = make_qkv(layout, 2, nq, 2, s, s, 64, torch.float32)
     mask = fusion_attention.compressed_causal_mask()
@@ -359,12 +350,9 @@ def test_aot_backward_graph_contains_grad_op(keep_prob):
         res = fa(q, k, v, nq, layout, atten_mask=mask, scale=0.125, keep_prob=keep_prob, sparse_mode=2, seed=11)
         return res[0] * 2
 
-    compiled = aot_function(fn, fw_compiler=record("fw"), bw_compiler=record("bw"))
+    compiled, graphs = aot_traced(fn)
     out = compiled(q, k, v, mask)
     grads = torch.autograd.grad(out.sum(), (q, k, v))
-
-    def targets(gm):
-        return [n.target for n in gm.graph.nodes if n.op == "call_function"]
 
     assert torch.ops.npu.npu_fusion_attention.default in targets(graphs["fw"])
     assert targets(graphs["bw"]).count(torch.ops.npu.npu_fusion_attention_grad.default) == 1

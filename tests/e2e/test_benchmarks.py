@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from transformers.models.qwen2 import modeling_qwen2
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # plain `pytest` does not put the repository root on sys.path
     sys.path.insert(0, str(ROOT))
 

@@ -21,14 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_qwen2_config
+from qwen_npu_compile.check.models import tiny_qwen2_config
 from qwen_npu_compile import cli
 from qwen_npu_compile.config import QwenNpuConfig
 from qwen_npu_compile.npu_ops import EMITTED_OPS
 from qwen_npu_compile.torchair_offline import wheel
 from qwen_npu_compile.torchair_offline.wheel import ENV_CACHE, ENV_WHEEL, TorchairUnavailableError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -13,7 +13,10 @@ import pytest
 import torch
 import transformers
 
-from conftest import RTOL, rel_err, run_model, tiny_qwen2
+from conftest import assert_runs_match, eager_and_reference
+from qwen_npu_compile.check.harness import run_model
+from qwen_npu_compile.check.models import tiny_qwen2
+from qwen_npu_compile.check.parity import FP32_TOLERANCE, relative_l2
 from qwen_npu_compile.report import SUMMARY
 
 ISSUE = dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, vocab_size=256)
@@ -28,13 +31,9 @@ def _ids(vocab=256):
 def _train_parity(model, options=None, dtype=torch.float32, **kwargs):
     """One training step eager and compiled on the same tokens; returns the graph reports."""
     ids = _ids(model.config.vocab_size)
-    eager_logits, eager_grads = run_model(model, model, ids, True, **kwargs)
+    eager, reference = eager_and_reference(model, ids, True, dtype, **kwargs)
     compiled = torch.compile(model, backend="qwen_npu", options=options or {})
-    logits, grads = run_model(model, compiled, ids, True, **kwargs)
-    assert rel_err(logits, eager_logits) <= RTOL[dtype], rel_err(logits, eager_logits)
-    assert set(grads) == set(eager_grads)
-    worst = max(rel_err(grads[n], eager_grads[n]) for n in grads)
-    assert worst <= 5 * RTOL[dtype], worst
+    assert_runs_match(run_model(model, compiled, ids, True, **kwargs), eager, reference)
     return list(SUMMARY.graphs)
 
 
@@ -122,22 +121,6 @@ def test_rms_norm_tensor_epsilon(kind):
 # --------------------------------------------------------------------------------------------------
 
 
-def _rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
-
-
-def _flat_grads(grads):
-    return torch.cat([grads[n].flatten() for n in sorted(grads)])
-
-
-def assert_fp32_reference_bound(fp32, eager, compiled):
-    """README's half-precision bound: rel-L2(compiled, fp32 run) <= 2 * rel-L2(eager, fp32 run) + 1e-3,
-    for the logits and for all gradients together. Each argument is ``(logits, grads)``."""
-    for label, pick in (("logits", lambda r: r[0]), ("gradients", lambda r: _flat_grads(r[1]))):
-        ours, theirs = _rel_l2(pick(compiled), pick(fp32)), _rel_l2(pick(eager), pick(fp32))
-        assert ours <= 2 * theirs + 1e-3, (label, ours, theirs)
-
-
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_autocast_bf16_fuses_every_family(attn):
     """fp32 weights under ``torch.autocast("cpu", bf16)``: rotary (bf16 q/k, fp32 cos/sin) and attention
@@ -152,7 +135,7 @@ def test_autocast_bf16_fuses_every_family(attn):
     assert _totals(reports) == {"rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS, "rotary": 2 * LAYERS, "attention": LAYERS}
     assert [r.reason for report in reports for r in report.refused] == []
     assert compiled[0].dtype == eager[0].dtype
-    assert_fp32_reference_bound(fp32, eager, compiled)
+    assert_runs_match(compiled, eager, fp32)  # half precision: judged against the fp32 run
     backward = {op: n for report in reports for op, n in report.aot_ops["backward"].items()}
     assert backward.get("npu_fusion_attention_grad") == LAYERS
 
@@ -200,7 +183,7 @@ def test_key_transpose_spellings(spelling):
     (expected_grad,) = torch.autograd.grad(expected.square().sum(), x)
     got = torch.compile(module, backend="qwen_npu", options={"fusions": "attention"})(x)
     (got_grad,) = torch.autograd.grad(got.square().sum(), x)
-    assert rel_err(got, expected) <= RTOL[torch.float32] and rel_err(got_grad, expected_grad) <= 5 * RTOL[torch.float32]
+    assert relative_l2(got, expected) <= FP32_TOLERANCE["logits"] and relative_l2(got_grad, expected_grad) <= FP32_TOLERANCE["gradients"]
     [report] = SUMMARY.graphs
     if spelling == "bsnd_permute":
         assert report.fusions == {"attention": 0}
@@ -269,13 +252,12 @@ def test_eager_left_padding_matches_eager_on_every_row(dtype):
     compiled = run(model, torch.compile(model, backend="qwen_npu"))
     reports = list(SUMMARY.graphs)
     assert _totals(reports) == {"rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS, "rotary": 2 * LAYERS, "attention": LAYERS}
-    if dtype == torch.float32:
-        assert _rel_l2(compiled[0], eager[0]) <= 1e-5
-        assert _rel_l2(_flat_grads(compiled[1]), _flat_grads(eager[1])) <= 1e-4
-    else:
+    reference = None
+    if dtype != torch.float32:
         reference = tiny_qwen2(dtype=torch.float32, attn="eager", **ISSUE)
         reference.load_state_dict({n: p.float() for n, p in model.state_dict().items()})
-        assert_fp32_reference_bound(run(reference, reference), eager, compiled)
+        reference = run(reference, reference)
+    assert_runs_match(compiled, eager, reference)
 
 
 # --------------------------------------------------------------------------------------------------

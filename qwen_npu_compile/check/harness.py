@@ -1,0 +1,328 @@
+"""The ``check`` run: build a model, run eager, an fp32 reference (half precision) and ``qwen_npu``
+compiled, compare, and collect the results dict that ``check`` prints (:mod:`.table`) and writes as JSON.
+
+:func:`run_model` is the one forward/backward step of the harness, the tests and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import time
+
+import torch
+
+from ..config import ALL_FAMILIES, QwenNpuConfig
+from . import models, parity
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+#: Backward op that must reach the AOT backward graph once per fusion of the family (train mode).
+BACKWARD_OPS = {
+    "rms_norm": "npu_rms_norm_backward",
+    "swiglu": "npu_swiglu_backward",
+    "rotary": "npu_rotary_mul_backward",
+    "attention": "npu_fusion_attention_grad",
+}
+
+def expected_fusions(num_layers: int, families, rms_norms_per_layer: int = 2) -> dict[str, int]:
+    """Fusions a Qwen2 model of ``num_layers`` decoder layers must give, per enabled family.
+
+    RMSNorm: 2 per layer (``rms_norms_per_layer``: 4 for Qwen3's q_norm/k_norm) + the final norm;
+    SwiGLU: 1 per layer; rotary: q and k per layer; attention: 1 per layer.
+    """
+    per_family = {"rms_norm": rms_norms_per_layer * num_layers + 1, "swiglu": num_layers, "rotary": 2 * num_layers, "attention": num_layers}
+    return {family: per_family[family] for family in ALL_FAMILIES if family in families}
+
+
+class Stages:
+    """Prints ``[i/n] what ... seconds`` progress lines."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.index, self.start = total, 0, 0.0
+
+    def begin(self, text: str) -> None:
+        self.index += 1
+        self.start = time.perf_counter()
+        print(f"[{self.index}/{self.total}] {text} ...", flush=True)
+
+    def end(self, detail: str = "") -> float:
+        seconds = time.perf_counter() - self.start
+        print(f"      done in {seconds:.1f}s{'; ' + detail if detail else ''}", flush=True)
+        return seconds
+
+
+def left_padding_mask(input_ids, left_padding: int):
+    """``attention_mask`` (``[B, S]``, 1 = token, 0 = padding) giving row 0 ``left_padding`` leading pads; None for 0."""
+    if not left_padding:
+        return None
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :left_padding] = 0
+    return attention_mask
+
+
+def padding_labels(input_ids, attention_mask):
+    """LM labels for ``input_ids`` (``[B, S]``): -100 wherever the token or the one it is predicted from is
+    padding (HF shifts labels by one), ``input_ids`` elsewhere; ``input_ids`` itself without a mask."""
+    if attention_mask is None:
+        return input_ids
+    rows = attention_mask.bool()
+    previous = torch.cat([torch.zeros_like(rows[:, :1]), rows[:, :-1]], dim=1)
+    return input_ids.masked_fill(~(rows & previous), -100)
+
+
+def run_model(model, runner, input_ids, train: bool, attention_mask=None, labels=None, **kwargs):
+    """Run ``runner`` (``model`` or its compiled wrapper): forward, and backward of the LM loss when ``train``.
+
+    Args:
+        model: the module whose parameters' gradients are collected (zeroed first).
+        runner: ``model`` or ``torch.compile(model, ...)``.
+        input_ids: ``[B, S]`` token ids.
+        train: run the backward of the LM loss (labels: ``labels``, else :func:`padding_labels`).
+        attention_mask: ``[B, S]``, 0 = padding, or None. With a mask only the logits of real tokens are
+            returned: padded query rows are fully masked, where kernels legitimately differ (HF's eager
+            softmax averages V there, SDPA gives 0 or NaN), and real tokens never read them.
+        kwargs: more model inputs (``position_ids``, ...); ``use_cache`` defaults to False.
+
+    Returns:
+        ``(logits, grads)``: fp32 logits (``[B, S, V]``, or ``[real tokens, V]`` with a mask) and
+        ``{parameter name of model: gradient}`` (empty without ``train``).
+    """
+    kwargs.setdefault("use_cache", False)
+    if train and labels is None:
+        labels = padding_labels(input_ids, attention_mask)
+    model.zero_grad(set_to_none=True)
+    with torch.set_grad_enabled(train):
+        out = runner(input_ids=input_ids, attention_mask=attention_mask, labels=labels if train else None, **kwargs)
+        if train:
+            out.loss.backward()
+    logits = out.logits.detach().float()
+    if attention_mask is not None:
+        logits = logits[attention_mask.bool()]
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None} if train else {}
+    return logits, grads
+
+
+def fp32_reference(model, input_ids, train: bool, attention_mask=None, labels=None, **kwargs):
+    """:func:`run_model` of an fp32 copy of ``model`` (the yardstick of half-precision parity)."""
+    fp32_model = copy.deepcopy(model).float()
+    return run_model(fp32_model, fp32_model, input_ids, train, attention_mask, labels, **kwargs)
+
+
+def run_check(args: argparse.Namespace) -> dict:
+    """Run the check described by parsed ``args``; returns the results dict (also the JSON output).
+
+    Raises:
+        ValueError: an unknown model, layer count or option (printed as a one-line error by main).
+        MemoryError: the estimate exceeds the available memory (message suggests ``--layers``).
+    """
+    from ..backend import resolve_downstream
+    from ..npu_ops import ensure_npu_ops
+    from ..report import get_reports
+
+    dtype = DTYPES[args.dtype]
+    train = args.mode == "train"
+    autocast = getattr(args, "autocast", False)
+    checkpointing = getattr(args, "grad_checkpointing", False)
+    if autocast and dtype == torch.float32:
+        raise ValueError("--autocast needs --dtype bf16 or fp16 (the autocast dtype; the weights stay fp32)")
+    if checkpointing and not train:
+        raise ValueError("--grad-checkpointing needs --mode train")
+
+    def amp():
+        """The autocast region of the eager and compiled runs (not of the fp32 reference)."""
+        return torch.autocast("cpu", dtype=dtype) if autocast else contextlib.nullcontext()
+    # Validate every backend setting (options over QWEN_NPU_* env) before building anything.
+    options = {"fusions": args.fusions, "downstream": args.downstream,
+               "dump_dir": str(args.dump_dir) if args.dump_dir is not None else None}
+    options = {key: value for key, value in options.items() if value is not None}
+    backend_config = QwenNpuConfig.from_options(options)
+    chosen_downstream = resolve_downstream(backend_config, ensure_npu_ops())
+    fusions = backend_config.fusions
+    config = models.resolve_model_config(args.model)
+    layers = args.layers or config.num_hidden_layers
+    if layers > config.num_hidden_layers:
+        raise ValueError(f"--layers {layers} is more than {args.model} has (maximum {config.num_hidden_layers})")
+    need = models.estimate_memory_bytes(config, layers=layers, batch=args.batch, seq_len=args.seq_len, dtype=dtype, train=train)
+    if dtype != torch.float32:
+        # the fp32 reference copy: parameters, and gradients in train mode
+        need += models.estimate_num_parameters(config, layers=layers) * 4 * (2 if train else 1)
+    have = models.available_memory_bytes()
+    if have and need > have:
+        fit = max(1, int(layers * (have * 0.8) / need))
+        raise MemoryError(
+            f"estimated {need / 2**30:.1f} GiB needed for {layers} layers, {have / 2**30:.1f} GiB available; "
+            f"try --layers {fit} (or a smaller --batch/--seq-len)"
+        )
+
+    status = ensure_npu_ops()
+    half = dtype != torch.float32
+    offline_torchair = chosen_downstream == "torchair" and status.simulated
+    stages = Stages((6 if half else 5) + (1 if offline_torchair else 0))
+    torchair_seconds = {}
+    if offline_torchair:
+        from ..torchair_offline import load_offline_torchair
+
+        stages.begin("obtaining torchair off-NPU (torch_npu wheel paired with this torch; stand-in CANN extensions)")
+        offline = load_offline_torchair()
+        torchair_seconds = {f"torchair_{key}": value for key, value in offline.sources.seconds.items()}
+        torchair_seconds["torchair_import"] = offline.import_seconds
+        stages.end(f"torch_npu {offline.torch_npu_version}, wheel {offline.sources.wheel.name}")
+    stages.begin(f"building {args.model}: {layers} layers, {args.dtype}, attn={args.attn}, mode={args.mode}")
+    model, info = models.build_model(args.model, layers=layers, dtype=torch.float32 if autocast else dtype, attn=args.attn)
+    model.train(train)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    weights = {"preset": "random weights", "local-random": "random weights", "local-weights": "weights loaded"}[info["source"]]
+    stages.end(f"{info['num_parameters'] / 1e6:.1f}M parameters, {weights}; npu ops {status.kind}")
+
+    generator = torch.Generator().manual_seed(1234)
+    input_ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len), generator=generator)
+    if not 0 <= args.left_padding < args.seq_len:
+        raise ValueError(f"--left-padding must be >= 0 and below --seq-len {args.seq_len}, got {args.left_padding}")
+    attention_mask = left_padding_mask(input_ids, args.left_padding)
+    labels = padding_labels(input_ids, attention_mask)
+
+    stages.begin(f"eager {'forward + backward' if train else 'forward'}")
+    with amp():
+        eager = run_model(model, model, input_ids, train, attention_mask, labels)
+    stages.end()
+
+    reference = None
+    if half:
+        stages.begin("fp32 reference run of the same weights (the yardstick for half-precision parity)")
+        reference = fp32_reference(model, input_ids, train, attention_mask, labels)
+        stages.end()
+
+    first_report = len(get_reports())
+    if args.dynamic:
+        if args.seq_len < 2:
+            raise ValueError("--dynamic needs --seq-len >= 2 (Dynamo specialises sizes 0 and 1)")
+        for tensor in {id(t): t for t in (input_ids, attention_mask, labels) if t is not None}.values():
+            torch._dynamo.mark_dynamic(tensor, 1)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="qwen_npu", options=options, dynamic=None if args.dynamic else False)
+    seconds = []  # the first run compiles, the second is the steady-state timing
+    for what in (f"compiling with backend='qwen_npu' ({status.kind} npu ops"
+                 f"{', dynamic sequence length' if args.dynamic else ''}) and running it once", "compiled run again (timing)"):
+        stages.begin(what)
+        start = time.perf_counter()
+        with amp():
+            compiled_run = run_model(model, compiled, input_ids, train, attention_mask, labels)
+        seconds.append(time.perf_counter() - start)
+        stages.end()
+    compile_seconds, steady_seconds = seconds
+
+    stages.begin("comparing against eager")
+    reports = get_reports()[first_report:]
+    fused = {family: sum(r.fusions.get(family, 0) for r in reports) for family in ALL_FAMILIES if family in fusions}
+    already = {family: sum(r.already_fused.get(family, 0) for r in reports) for family in fused}
+    expected = expected_fusions(layers, fusions, models.rms_norms_per_layer(config))
+    backward_ops: dict[str, int] = {}
+    for report in reports:
+        for op, count in report.aot_ops.get("backward", {}).items():
+            backward_ops[op] = backward_ops.get(op, 0) + count
+    parity_rows = parity.judge_runs(compiled_run, eager, reference)
+    missing = parity.gradient_mismatch(compiled_run, eager)
+    downstream = reports[0].downstream if reports else None
+    stages.end()
+
+    problems = []
+    if not reports:
+        problems.append("qwen_npu compiled no graph")
+    if len(reports) > 1:
+        problems.append(f"{len(reports)} graphs compiled (graph breaks or recompiles); expected 1")
+    for family, want in expected.items():
+        if fused[family] + already[family] != want:
+            problems.append(f"{family}: fused {fused[family]} (+{already[family]} already fused), expected {want}")
+    problems += parity.problems(parity_rows)
+    ge = ge_results(reports, status)
+    if ge is not None:
+        kinds = [graph["kind"] for graph in ge["graphs"]]
+        for kind in ("forward", "backward") if train else ("forward",):
+            if kind not in kinds:
+                problems.append(f"GE conversion: torchair built no {kind} graph")
+        if ge["failures"]:
+            problems.append(f"GE conversion: {len(ge['failures'])} node(s) failed to convert")
+    if train:
+        if missing:
+            problems.append(f"gradients missing or extra for {missing[:3]}")
+        if downstream == "aot_eager":
+            for family, count in fused.items():
+                op = BACKWARD_OPS[family]
+                if backward_ops.get(op, 0) != count:
+                    problems.append(f"AOT backward holds {backward_ops.get(op, 0)} {op}, expected {count}")
+
+    result = {
+        "model": info,
+        "settings": {
+            "batch": args.batch, "seq_len": args.seq_len, "dtype": args.dtype, "mode": args.mode,
+            "attn": args.attn, "fusions": sorted(fusions), "downstream": downstream, "dynamic": args.dynamic,
+            "left_padding": args.left_padding, "autocast": autocast, "grad_checkpointing": checkpointing,
+        },
+        "versions": run_versions(status),
+        "simulated": status.simulated,
+        "npu_ops": status.reason,
+        "fusions": {family: {"fused": fused[family], "already_fused": already[family], "expected": expected[family]} for family in expected},
+        "refused": [refusal.as_dict() for report in reports for refusal in report.refused],
+        "backward_ops": backward_ops,
+        "parity": {**parity_rows, "metric": parity.METRIC},
+        "seconds": {
+            "first_compiled_run": compile_seconds,
+            "steady_compiled_run": steady_seconds,
+            "qwen_npu_canonicalize": sum(r.seconds.get("canonicalize", 0) for r in reports),
+            "qwen_npu_fuse": sum(r.seconds.get("fuse", 0) for r in reports),
+            **torchair_seconds,
+        },
+        "graphs": len(reports),
+        "problems": problems,
+        "verdict": "PASS" if not problems else "FAIL",
+    }
+    if ge is not None:
+        result["ge"] = ge
+    return result
+
+
+def run_versions(status) -> dict:
+    """Where the check ran: python, torch, transformers, torch_npu (real version, or None when the npu ops
+    are simulated), ``npu_ops`` (``"real"``/``"simulated"``), ``torchair`` (``"<torch_npu version>
+    (off-NPU, from the wheel)"``, ``"<version> (installed)"`` or None) and qwen_npu_compile."""
+    from ..report import versions
+    from ..torchair_offline import loaded_offline_torchair
+
+    found = versions()
+    offline = loaded_offline_torchair() if status.simulated else None
+    torchair = None
+    if offline is not None:
+        torchair = f"{offline.torch_npu_version} (off-NPU, from the wheel {offline.sources.wheel.name})"
+    elif not status.simulated:
+        torchair = f"{status.torch_npu_version} (installed)"
+    return {
+        "python": found["python"], "torch": found["torch"], "transformers": found["transformers"],
+        "torch_npu": None if status.simulated else status.torch_npu_version, "npu_ops": status.kind,
+        "torchair": torchair, "qwen_npu_compile": found["qwen_npu_compile"],
+    }
+
+
+def ge_results(reports, status) -> dict | None:
+    """torchair's off-NPU FX→GE conversion of ``reports``' graphs, or None when none was converted off-NPU.
+
+    Returns:
+        ``{"torch_npu": version, "torchair": "offline", "graphs": [{"name", "kind", "qwen_npu_graph", "ops", "seconds"}],
+        "failures": [{"op", "error", "source", "graph", "node", "kind", "qwen_npu_graph"}]}``; ``kind`` is
+        ``"converter"`` (torchair's converter raised) or ``"limit"`` (converted, but breaks the op's limits).
+    """
+    converted = [report for report in reports if report.ge is not None]
+    if not converted:
+        return None
+    return {
+        "torch_npu": converted[0].ge.torch_npu,
+        "torchair": converted[0].ge.torchair,
+        "graphs": [{"name": graph.name, "kind": graph.kind, "qwen_npu_graph": report.name, "ops": dict(graph.ops),
+                    "seconds": graph.seconds}
+                   for report in converted for graph in report.ge.graphs],
+        "failures": [{"op": f.op, "error": f.error, "source": f.source, "graph": f.graph, "node": f.node,
+                      "kind": f.kind, "qwen_npu_graph": report.name}
+                     for report in converted for f in report.ge.failures],
+    }

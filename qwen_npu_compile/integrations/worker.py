@@ -1,0 +1,571 @@
+"""Switch the backend on inside a training worker: ``QWEN_NPU_COMPILE`` and per-layer compile.
+
+verl's FSDP workers are Ray actors that build the Hugging Face model themselves, so the backend is
+switched on by an environment variable that reaches every worker, and by one call in the worker's
+model build, after the model is created and before FSDP wraps it::
+
+    model = AutoModelForCausalLM.from_pretrained(...)
+    model.gradient_checkpointing_enable(...)           # optional, before or after
+    qwen_npu_compile.maybe_compile(model)              # no-op unless QWEN_NPU_COMPILE=1
+    fully_shard(layer) for each layer; fully_shard(model)   # or FSDP(model, use_orig_params=True)
+
+:func:`maybe_compile` compiles each decoder layer *in place* with ``nn.Module.compile`` and the
+``qwen_npu`` backend: the modules keep their classes and the model keeps its state-dict keys, so FSDP
+wrap policies (which find layers by class name), checkpoints and rollout weight sync are unaffected.
+All layers share one compiled graph (Dynamo caches the layer's code once, its parameters are graph
+inputs), so a model compiles one graph per input shape, not one per layer.
+
+Three situations are handled outside the compiled ``__call__`` of a layer:
+
+* **Activation (gradient) checkpointing** (``model.gradient_checkpointing_enable()``; verl's default):
+  Dynamo would trace the checkpoint as a ``tag_activation_checkpoint`` higher-order op, which the
+  ``qwen_npu`` pipeline cannot retrace. While checkpointing is active (layer in training mode, grad
+  enabled) the layer's hooks (FSDP's included) and the checkpoint run eagerly and the function being
+  checkpointed, the layer's ``forward``, runs compiled (the same fusions; recomputation reruns it).
+* **A KV cache** passed to the layer (``use_cache=True`` / generation): the cache's per-layer state
+  would make Dynamo recompile once per layer until its recompile limit; such calls run eagerly (one
+  warning per process). Training forwards pass ``use_cache=False`` (verl does).
+* **FSDP1 with** ``use_orig_params=False``: the layer's parameters become one ``FlatParameter``, which
+  a compiled layer cannot use (Dynamo breaks the layer's graph apart; nothing fuses). :func:`maybe_compile`
+  refuses such a model when called after wrapping, and a layer compiled before wrapping refuses at
+  its first call, with what to change.
+
+The backend given to ``compile`` is ``qwen_npu`` (:func:`qwen_npu_compile.backend.qwen_npu_backend`)
+behind a thin wrapper, one per process: every call of a compiled graph is attributed to the layer
+running it, so :func:`layer_reports` (or
+:meth:`CompiledLayers.reports`) says, per decoder layer, which :class:`~qwen_npu_compile.GraphReport`
+it ran; a layer that ran without one (Dynamo fell back to eager) is logged once.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+import logging
+import os
+import sys
+import types
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from .. import compat
+from ..config import QwenNpuConfig, parse_bool
+from ..report import SUMMARY, GraphReport
+
+log = logging.getLogger("qwen_npu_compile")
+
+#: The environment variable that switches :func:`maybe_compile` on.
+ENV_COMPILE = "QWEN_NPU_COMPILE"
+
+#: Keyword arguments through which Hugging Face layers receive a KV cache (4.x and 5.x spellings).
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+#: Name parts that wrappers (FSDP1, activation checkpoint wrapper, torch.compile) add to module names.
+_WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+
+_FSDP1_FIX = (
+    "pass use_orig_params=True to FullyShardedDataParallel (verl: "
+    "actor_rollout_ref.actor.fsdp_config.use_orig_params=True, likewise actor_rollout_ref.ref.fsdp_config and "
+    "critic.model.fsdp_config), or use FSDP2 (fully_shard; verl: actor_rollout_ref.actor.strategy=fsdp2), "
+    f"or leave {ENV_COMPILE} unset"
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# the switch
+
+
+def compile_requested(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``QWEN_NPU_COMPILE`` asks for compilation.
+
+    Unset, ``""``, ``0``, ``false``, ``no``, ``off`` mean no; ``1``, ``true``, ``yes``, ``on`` mean yes
+    (case and surrounding blanks ignored).
+
+    Args:
+        environ: the environment to read (default ``os.environ``).
+
+    Raises:
+        ValueError: any other value; the message names the variable and the valid values.
+    """
+    environ = os.environ if environ is None else environ
+    return parse_bool(environ.get(ENV_COMPILE, ""), f"environment variable {ENV_COMPILE}")
+
+
+# --------------------------------------------------------------------------------------------------
+# what was compiled, and what each layer ran
+
+
+@dataclasses.dataclass
+class LayerRecord:
+    """One decoder layer compiled by :func:`maybe_compile`.
+
+    Attributes:
+        name: the layer's qualified name in the model given to :func:`maybe_compile`, without wrapper
+            prefixes (``model.layers.0``).
+        class_name: the layer's class (``Qwen2DecoderLayer``).
+        reports: every ``qwen_npu`` graph report this layer has run, first run first (one per input
+            shape family; all layers normally share them).
+        calls: the layer's calls so far by path: ``compiled`` (the compiled ``__call__``),
+            ``checkpointed`` (activation checkpointing: eager checkpoint around the compiled forward),
+            ``eager`` (a KV cache was passed).
+    """
+
+    name: str
+    class_name: str
+    reports: list[GraphReport] = dataclasses.field(default_factory=list)
+    calls: dict[str, int] = dataclasses.field(
+        default_factory=lambda: {"compiled": 0, "checkpointed": 0, "eager": 0}
+    )
+
+    def note(self, reports: tuple[GraphReport, ...]) -> None:
+        """Add ``reports`` (a graph this layer just ran) unless already recorded."""
+        for report in reports:
+            if all(report is not seen for seen in self.reports):
+                self.reports.append(report)
+
+    @property
+    def fusions(self) -> dict[str, int]:
+        """The fusions of the latest graph this layer ran (empty before its first compiled call)."""
+        return dict(self.reports[-1].fusions) if self.reports else {}
+
+
+class CompiledLayers(list):
+    """What :func:`maybe_compile` compiled: a list of layer names, plus a record per layer.
+
+    Compares equal to the plain list of names (``[]`` when nothing was compiled).
+
+    Attributes:
+        records: layer name -> :class:`LayerRecord`.
+    """
+
+    def __init__(self, records: list[LayerRecord] | None = None) -> None:
+        records = list(records or [])
+        super().__init__(record.name for record in records)
+        self.records: dict[str, LayerRecord] = {record.name: record for record in records}
+
+    def reports(self) -> dict[str, list[GraphReport]]:
+        """Layer name -> the graph reports it has run so far."""
+        return {name: list(record.reports) for name, record in self.records.items()}
+
+    def not_compiled(self) -> list[str]:
+        """Layers that were called but never ran a ``qwen_npu`` graph (Dynamo fell back to eager)."""
+        return [
+            name
+            for name, record in self.records.items()
+            if not record.reports and (record.calls["compiled"] or record.calls["checkpointed"])
+        ]
+
+
+#: The layer whose call is running, so that the compiled graphs it runs are attributed to it.
+_RUNNING_LAYER: contextvars.ContextVar[LayerRecord | None] = contextvars.ContextVar(
+    "qwen_npu_running_layer", default=None
+)
+
+
+def _attributing(compiled, reports: tuple[GraphReport, ...]):
+    """Wrap a compiled graph so that each call notes ``reports`` in the running layer's record.
+
+    The wrapper forwards its arguments unchanged and carries the callable's attributes
+    (``compat.wraps_compiled``), so Dynamo calls it exactly as it would call ``compiled`` (boxed or not).
+    """
+
+    @compat.wraps_compiled(compiled)
+    def run(*args, **kwargs):
+        record = _RUNNING_LAYER.get()
+        if record is not None:
+            record.note(reports)
+        return compiled(*args, **kwargs)
+
+    return run
+
+
+class _AttributingBackend:
+    """The ``qwen_npu`` backend, plus attribution of each compiled graph's calls to the running layer.
+
+    One instance per process, so that Dynamo sees the same backend for every layer (equal
+    ``torch.compile`` wrappers share cache entries) and compiles a layer's code once.
+    """
+
+    def __call__(self, gm, example_inputs, options=None, mode=None):
+        from ..backend import qwen_npu_backend
+
+        first = SUMMARY.next_index()
+        # (the retrace in canonicalize keeps ambient saved-tensor hooks, e.g. a non-reentrant
+        # checkpoint's, away from its fake saves; AOTAutograd does the same for its own tracing)
+        compiled = qwen_npu_backend(gm, example_inputs, options=options, mode=mode)
+        reports = tuple(SUMMARY.graphs[first:])  # the report this compile published
+        return _attributing(compiled, reports)
+
+    def __repr__(self) -> str:
+        return "qwen_npu"
+
+
+_BACKEND = _AttributingBackend()
+
+
+# --------------------------------------------------------------------------------------------------
+# finding decoder layers
+
+
+def _class_names(module: nn.Module) -> set[str]:
+    # FSDP2 swaps a layer's class for a subclass "FSDP<Layer>": match every class in the MRO.
+    return {cls.__name__ for cls in type(module).__mro__}
+
+
+def clean_name(name: str) -> str:
+    """``name`` without the parts FSDP1, checkpoint wrappers and ``torch.compile`` insert.
+
+    ``_fsdp_wrapped_module.model.layers.0._fsdp_wrapped_module`` -> ``model.layers.0``.
+    """
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+def _no_split_module_names(model: nn.Module) -> list[str]:
+    names = getattr(model, "_no_split_modules", None)
+    if not names:
+        return []
+    if isinstance(names, str):
+        return [names]
+    return sorted(str(name) for name in names)  # a list on HF classes, a set on HF 5.x instances
+
+
+def _outermost(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    kept: list[tuple[str, nn.Module]] = []
+    for name, module in found:
+        if not any(name.startswith(outer + ".") for outer, _ in kept):
+            kept.append((name, module))
+    return kept
+
+
+def _is_block_list(module: nn.Module) -> bool:
+    if not isinstance(module, nn.ModuleList) or len(module) == 0:
+        return False
+    blocks = list(module)
+    first = type(blocks[0])
+    return all(type(block) is first for block in blocks) and any(True for _ in blocks[0].parameters())
+
+
+def find_decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The decoder layers of ``model`` with their qualified names, in model order.
+
+    Looked for, in order: submodules whose class (or a base class: FSDP2 renames it) is named in
+    ``model._no_split_modules`` (Hugging Face models list their decoder layer class there; verl's wrap
+    policies use the same list); then ``model.model.layers`` or ``model.layers``; then the longest
+    ``nn.ModuleList`` of same-class blocks that hold parameters.
+
+    Args:
+        model: a Hugging Face model (``Qwen2ForCausalLM``, possibly PEFT- or FSDP-wrapped) or any
+            module holding a list of identical blocks.
+
+    Returns:
+        ``[(qualified name, layer module), ...]``; a match nested in another match is dropped.
+
+    Raises:
+        ValueError: nothing found; the message says what was looked for.
+    """
+    names = _no_split_module_names(model)
+    if names:
+        wanted = set(names)
+        found = [(n, m) for n, m in model.named_modules() if n and _class_names(m) & wanted]
+        if found:
+            return _outermost(found)
+    for path in ("model.layers", "layers"):
+        holder = model
+        for part in path.split("."):
+            holder = getattr(holder, part, None) if isinstance(holder, nn.Module) else None
+        if holder is not None and _is_block_list(holder):
+            prefix = dict((id(m), n) for n, m in model.named_modules())[id(holder)]
+            return [(f"{prefix}.{i}", block) for i, block in enumerate(holder)]
+    lists = [(n, m) for n, m in model.named_modules() if _is_block_list(m)]
+    if lists:
+        prefix, holder = max(lists, key=lambda item: len(item[1]))  # first of the longest
+        return [(f"{prefix}.{i}" if prefix else str(i), block) for i, block in enumerate(holder)]
+    raise ValueError(
+        f"qwen_npu: cannot find the decoder layers of {type(model).__name__}: no submodule's class is "
+        f"named in its _no_split_modules ({names or 'not set'}), it has no model.model.layers or "
+        "model.layers, and no nn.ModuleList of same-class blocks; maybe_compile supports Hugging Face "
+        "decoder-only models such as Qwen2ForCausalLM"
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# FSDP1 flat parameters
+
+
+def _fsdp1_without_orig_params(model: nn.Module) -> list[str]:
+    """Names of FSDP1 ``FullyShardedDataParallel`` modules in ``model`` built with ``use_orig_params=False``."""
+    fsdp_module = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
+    if fsdp_module is None:  # FSDP1 never imported: nothing can be wrapped by it
+        return []
+    fsdp_class = fsdp_module.FullyShardedDataParallel
+    return [
+        clean_name(name) or "<root>"
+        for name, module in model.named_modules()
+        if isinstance(module, fsdp_class) and not getattr(module, "_use_orig_params", True)
+    ]
+
+
+def _has_flat_parameters(layer: nn.Module, had_parameters: bool) -> bool:
+    """Whether FSDP1 (``use_orig_params=False``) replaced the layer's parameters with a FlatParameter.
+
+    The FlatParameter is registered on the layer when it is its own FSDP unit; when an outer unit owns
+    it, the layer keeps no parameters at all (only plain-tensor views during forward).
+    """
+    flat_module = sys.modules.get("torch.distributed.fsdp._flat_param")
+    if flat_module is None:
+        return False
+    params = list(layer.parameters())
+    if any(isinstance(p, flat_module.FlatParameter) for p in params):
+        return True
+    return had_parameters and not params
+
+
+def _fsdp1_message(where: str) -> str:
+    return (
+        f"qwen_npu: {where} is wrapped by FSDP1 (FullyShardedDataParallel) with use_orig_params=False; its "
+        "parameters are flattened into a FlatParameter that a compiled layer cannot use (Dynamo breaks the "
+        f"layer's graph apart and nothing fuses). To compile it, {_FSDP1_FIX}"
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# the compiled layer call
+
+
+class _Compiler:
+    """The compile settings of one :func:`maybe_compile` call, shared by its layers."""
+
+    def __init__(self, options: dict | None) -> None:
+        self.options = options
+        self._functions: dict[object, object] = {}
+        self._warned_uncompilable = False
+
+    def compile_kwargs(self) -> dict:
+        return {"backend": _BACKEND, "options": self.options} if self.options else {"backend": _BACKEND}
+
+    def compiled_function(self, function):
+        """``function`` (what a checkpoint is about to run) with its Python function compiled.
+
+        Hugging Face checkpoints ``functools.partial(forward, self, **kwargs)``: the plain function is
+        compiled once (shared by all layers) and re-bound to the same arguments. Anything else runs as is.
+        """
+        target = function.func if isinstance(function, functools.partial) else function
+        if not isinstance(target, types.FunctionType):
+            if not self._warned_uncompilable:
+                self._warned_uncompilable = True
+                log.warning(
+                    "qwen_npu: activation checkpointing runs %r, which is not a plain function; "
+                    "checkpointed layers run eagerly (no fusion)", function,
+                )
+            return function
+        compiled = self._functions.get(target)
+        if compiled is None:
+            compiled = self._functions[target] = torch.compile(target, **self.compile_kwargs())
+        if isinstance(function, functools.partial):
+            return functools.partial(compiled, *function.args, **function.keywords)
+        return compiled
+
+
+class _CompilingCheckpoint:
+    """Stands in for a layer's ``_gradient_checkpointing_func``: checkpoints a compiled forward."""
+
+    def __init__(self, checkpoint, compiler: _Compiler) -> None:
+        self.checkpoint = checkpoint
+        self.compiler = compiler
+
+    def __call__(self, function, *args, **kwargs):
+        return self.checkpoint(self.compiler.compiled_function(function), *args, **kwargs)
+
+    def __reduce__(self):
+        # Copies and pickles of the layer get the plain checkpoint function back, as torch drops a
+        # module's _compiled_call_impl when it is copied or pickled.
+        return (_same, (self.checkpoint,))
+
+
+def _same(value):
+    return value
+
+
+_warned_cache_eager = False
+
+
+def _passes_cache(kwargs: dict) -> bool:
+    return any(kwargs.get(key) is not None for key in _CACHE_KWARGS)
+
+
+def _checkpointing(layer: nn.Module) -> bool:
+    # transformers' GradientCheckpointingLayer checkpoints under exactly this condition.
+    return bool(
+        getattr(layer, "gradient_checkpointing", False)
+        and layer.training
+        and torch.is_grad_enabled()
+        and callable(getattr(layer, "_gradient_checkpointing_func", None))
+    )
+
+
+def _checkpoints_around_call(layer: nn.Module) -> bool:
+    """Whether the layer's class checkpoints its whole ``__call__`` (hooks included), not its ``forward``.
+
+    transformers 4.5x-5.1x (``GradientCheckpointingLayer.__call__``, transformers/modeling_layers.py in
+    4.57.6 and 5.10.4) checkpoints ``partial(super().__call__, **kwargs)``: the layer's compiled call
+    then runs *inside* the checkpoint (and again when it recomputes). Later releases checkpoint
+    ``partial(forward, self, **kwargs)`` from inside ``forward`` instead.
+    """
+    return type(layer).__call__ is not nn.Module.__call__
+
+
+def _in_backward() -> bool:
+    # a checkpoint's recomputation runs during backward (torch/utils/checkpoint.py asks the same)
+    return torch._C._current_graph_task_id() != -1
+
+
+class _CompiledLayerCall:
+    """A layer's ``_compiled_call_impl``: routes each call and attributes its graphs to the layer."""
+
+    def __init__(self, layer: nn.Module, record: LayerRecord, compiled, compiler: _Compiler) -> None:
+        self.layer = layer
+        self.record = record
+        self.compiled = compiled
+        self.compiler = compiler
+        self._had_parameters = any(True for _ in layer.parameters())
+        self._checked = False
+        self._warned_eager = False
+
+    def _check(self) -> None:
+        if _has_flat_parameters(self.layer, self._had_parameters):
+            where = f"decoder layer {self.record.name!r}, compiled by maybe_compile before wrapping,"
+            raise ValueError(_fsdp1_message(where))
+        self._checked = True
+
+    def __call__(self, *args, **kwargs):
+        global _warned_cache_eager
+        if not self._checked:
+            self._check()
+        layer, calls = self.layer, self.record.calls
+        token = _RUNNING_LAYER.set(self.record)
+        try:
+            if _passes_cache(kwargs):
+                calls["eager"] += 1
+                if not _warned_cache_eager:
+                    _warned_cache_eager = True
+                    log.warning(
+                        "qwen_npu: decoder layers called with a KV cache run eagerly (per-layer cache state "
+                        "would make Dynamo recompile for every layer); pass use_cache=False for training"
+                    )
+                return layer._call_impl(*args, **kwargs)
+            if _checkpointing(layer) and _checkpoints_around_call(layer):
+                # already inside the checkpoint (older transformers): its function is this compiled call
+                if not _in_backward():
+                    calls["checkpointed"] += 1
+                out = self.compiled(*args, **kwargs)
+            elif _checkpointing(layer):
+                calls["checkpointed"] += 1
+                if not isinstance(layer._gradient_checkpointing_func, _CompilingCheckpoint):
+                    layer._gradient_checkpointing_func = _CompilingCheckpoint(
+                        layer._gradient_checkpointing_func, self.compiler
+                    )
+                out = layer._call_impl(*args, **kwargs)
+            else:
+                calls["compiled"] += 1
+                out = self.compiled(*args, **kwargs)
+        finally:
+            _RUNNING_LAYER.reset(token)
+        if not self.record.reports and not self._warned_eager:
+            self._warned_eager = True
+            log.warning(
+                "qwen_npu: decoder layer %s ran without a qwen_npu graph (Dynamo fell back to eager: "
+                "recompile limit or graph break; run with TORCH_LOGS=recompiles,graph_breaks)", self.record.name,
+            )
+        return out
+
+
+# --------------------------------------------------------------------------------------------------
+# the entry point
+
+
+def maybe_compile(
+    model: nn.Module,
+    options: Mapping[str, object] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> CompiledLayers:
+    """Compile each decoder layer of ``model`` in place with the ``qwen_npu`` backend, if asked to.
+
+    Asked to means ``QWEN_NPU_COMPILE`` is ``1``/``true``/``yes``/``on``; when it is unset or
+    ``0``/``false``/``no``/``off`` (or empty) nothing is touched. Each layer gets
+    ``layer.compile(backend=qwen_npu, options=options)``: classes, module names and state-dict keys
+    are unchanged. Call it before FSDP wrapping (FSDP2 ``fully_shard`` per layer, or FSDP1 with
+    ``use_orig_params=True``); after wrapping works too, except FSDP1 with ``use_orig_params=False``.
+    Calling it twice leaves already-compiled layers as they are.
+
+    Args:
+        model: a Hugging Face decoder-only model (e.g. ``Qwen2ForCausalLM``), possibly PEFT- or
+            FSDP-wrapped; layers are found by :func:`find_decoder_layers`.
+        options: backend options (``fusions``, ``dump_dir``, ``downstream``, ``strict``); unset ones
+            come from the ``QWEN_NPU_*`` environment variables at compile time.
+        environ: the environment to read ``QWEN_NPU_COMPILE`` from (default ``os.environ``).
+
+    Returns:
+        The qualified names of the compiled layers (``["model.layers.0", ...]``, ``[]`` when switched
+        off), as a :class:`CompiledLayers` whose ``records`` / ``reports()`` say what each layer ran.
+
+    Raises:
+        ValueError: ``QWEN_NPU_COMPILE`` has another value; ``options`` are invalid; no decoder layers
+            are found; ``model`` holds FSDP1 units built with ``use_orig_params=False``.
+    """
+    if not compile_requested(environ):
+        log.debug("qwen_npu: %s is not set to 1; model left uncompiled", ENV_COMPILE)
+        return CompiledLayers()
+    QwenNpuConfig.from_options(options)  # validate now, not at the first forward
+    flat = _fsdp1_without_orig_params(model)
+    if flat:
+        raise ValueError(_fsdp1_message(f"the model (FSDP1 unit(s) {flat[:3]}{'...' if len(flat) > 3 else ''})"))
+    layers = find_decoder_layers(model)
+    compiler = _Compiler(dict(options) if options else None)
+    records = []
+    for name, layer in layers:
+        name = clean_name(name)
+        existing = layer._compiled_call_impl
+        if isinstance(existing, _CompiledLayerCall):
+            records.append(existing.record)
+            continue
+        if _has_flat_parameters(layer, had_parameters=False):
+            raise ValueError(_fsdp1_message(f"decoder layer {name!r}"))
+        if existing is not None:
+            log.warning("qwen_npu: decoder layer %s was already compiled (%r); recompiling it with qwen_npu",
+                        name, existing)
+        record = LayerRecord(name=name, class_name=_layer_class_name(layer))
+        layer.compile(**compiler.compile_kwargs())
+        layer._compiled_call_impl = _CompiledLayerCall(layer, record, layer._compiled_call_impl, compiler)
+        records.append(record)
+    result = CompiledLayers(records)
+    classes = sorted({record.class_name for record in records})
+    log.info(
+        "qwen_npu: %s=1: compiled %d decoder layer(s) of %s in place (%s)%s",
+        ENV_COMPILE, len(result), type(model).__name__, ", ".join(classes),
+        f" with options {dict(options)}" if options else "",
+    )
+    return result
+
+
+def _layer_class_name(layer: nn.Module) -> str:
+    # FSDP2 swaps the class for a dynamic subclass "FSDP<Layer>" (FSDPModule first): report the model's own.
+    for cls in type(layer).__mro__:
+        if not cls.__name__.startswith("FSDP") and cls.__name__ != "ABC":
+            return cls.__name__
+    return type(layer).__name__
+
+
+def layer_reports(model: nn.Module) -> dict[str, LayerRecord]:
+    """Layer name -> :class:`LayerRecord` of every layer of ``model`` compiled by :func:`maybe_compile`.
+
+    Works on the model as wrapped later (FSDP1/FSDP2): records live on the layer modules.
+    """
+    return {
+        call.record.name: call.record
+        for module in model.modules()
+        if isinstance(call := getattr(module, "_compiled_call_impl", None), _CompiledLayerCall)
+    }

@@ -1,0 +1,40 @@
+"""How a simulated stand-in op is defined in the ``npu`` library (the one place; each op module's
+``register`` calls it once per op).
+
+An op gets its exact torch_npu schema, a CPU reference kernel (``CompositeExplicitAutograd``: the same
+kernel for every backend key), a fake kernel for fake/meta tensors, and, for ops with a backward op,
+autograd whose backward calls that op (``torch.library.register_autograd``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def define_op(
+    lib: torch.library.Library,
+    schema: str,
+    kernel: Callable,
+    fake: Callable,
+    backward: Callable | None = None,
+    setup_context: Callable | None = None,
+) -> None:
+    """Define the op of ``schema`` (``"name(args) -> returns"``) in ``lib`` with its kernels.
+
+    Args:
+        lib: the ``torch.library.Library("npu", "FRAGMENT")`` that keeps the registrations alive.
+        schema: the torch_npu schema string (its name is the text before the first ``(``).
+        kernel: the CPU reference kernel.
+        fake: the fake kernel (output shapes, dtypes and strides only).
+        backward, setup_context: autograd of the op (``torch.library.register_autograd``); None for an
+            op without autograd (a backward op itself, or ``npu_add_rms_norm``, as in torch_npu).
+    """
+    name = schema.split("(", 1)[0]
+    qualified = f"{lib.ns}::{name}"
+    lib.define(schema)
+    lib.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(qualified, fake, lib=lib)
+    if backward is not None:
+        torch.library.register_autograd(qualified, backward, setup_context=setup_context, lib=lib)

@@ -821,6 +821,8 @@ class AttentionFamily(FusionFamily):
     pass_class = AttentionPass
     anchor_ops = (aten.scaled_dot_product_attention.default, aten.softmax.int)
     fused_op_names = ("npu_fusion_attention",)
+    backward_op_name = "npu_fusion_attention_grad"
+    per_layer = 1
 
     def iter_variants(self):
         # Among variants of one output op the matcher tries them in registration order: the GQA forms

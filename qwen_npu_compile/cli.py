@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .config import ALL_FAMILIES, DOWNSTREAMS, QwenNpuConfig
+from .patterns import backward_ops, expected_fusions  # noqa: F401  (expected_fusions: cli's public name)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -39,25 +40,11 @@ FP32_TOLERANCE = {"logits": 1e-5, "gradients": 1e-4}
 HALF_MULTIPLIER = 2.0
 HALF_SLACK = 1e-3
 
-#: Backward op that must reach the AOT backward graph once per fusion of the family (train mode).
-BACKWARD_OPS = {
-    "rms_norm": "npu_rms_norm_backward",
-    "swiglu": "npu_swiglu_backward",
-    "rotary": "npu_rotary_mul_backward",
-    "attention": "npu_fusion_attention_grad",
-}
+#: Backward op that must reach the AOT backward graph once per fusion of the family (train mode);
+#: declared by each family (``FusionFamily.backward_op_name``).
+BACKWARD_OPS = backward_ops()
 
 log = logging.getLogger("qwen_npu_compile")
-
-
-def expected_fusions(num_layers: int, families, rms_norms_per_layer: int = 2) -> dict[str, int]:
-    """Fusions a Qwen2 model of ``num_layers`` decoder layers must give, per enabled family.
-
-    RMSNorm: 2 per layer (``rms_norms_per_layer``: 4 for Qwen3's q_norm/k_norm) + the final norm;
-    SwiGLU: 1 per layer; rotary: q and k per layer; attention: 1 per layer.
-    """
-    per_family = {"rms_norm": rms_norms_per_layer * num_layers + 1, "swiglu": num_layers, "rotary": 2 * num_layers, "attention": num_layers}
-    return {family: per_family[family] for family in ALL_FAMILIES if family in families}
 
 
 def positive_int(text: str) -> int:
@@ -325,7 +312,7 @@ def run_check(args: argparse.Namespace) -> dict:
     reports = get_reports()[first_report:]
     fused = {family: sum(r.fusions.get(family, 0) for r in reports) for family in ALL_FAMILIES if family in fusions}
     already = {family: sum(r.already_fused.get(family, 0) for r in reports) for family in fused}
-    expected = expected_fusions(layers, fusions, models.rms_norms_per_layer(config))
+    expected = expected_fusions(model.config, fusions)  # model.config has the --layers built
     backward_ops: dict[str, int] = {}
     for report in reports:
         for op, count in report.aot_ops.get("backward", {}).items():

@@ -1,4 +1,4 @@
-"""Part 2: what our canonicalise + fuse steps cost, against Dynamo capture and AOTAutograd.
+"""Part 2: what our canonicalize + fuse steps cost, against Dynamo capture and AOTAutograd.
 
 For tiny-width Qwen2 models (hidden 64, 4 heads, 2 KV heads, bf16, B=2, S=32, training: forward, LM
 loss and backward) with 2, 8 and 24 layers, every sample is one ``torch.compile`` (after
@@ -62,7 +62,7 @@ def training_step(model, compiled, input_ids) -> None:
 
 
 def time_sample(model, input_ids) -> dict:
-    """Compile ``model`` once and time capture, our canonicalise and fuse steps, and AOTAutograd.
+    """Compile ``model`` once and time capture, our canonicalize and fuse steps, and AOTAutograd.
 
     Args:
         model: the model (its parameters are reused; gradients are reset).

@@ -232,7 +232,7 @@ def _compile(data: dict) -> list[str]:
         "## 2. Compile cost (same process, tiny width, training step)",
         "",
         f"{setup['model']}; B={setup['batch']}, S={setup['seq_len']}; median of {setup['repeats']} repeat(s). "
-        "Each sample is one Dynamo capture, on which our canonicalise + fuse (`backend.rewrite`, registration "
+        "Each sample is one Dynamo capture, on which our canonicalize + fuse (`backend.rewrite`, registration "
         "excluded: see part 3) and AOTAutograd (`aot_eager`, the baseline) are both timed. Ratios are per "
         "sample, then the median.",
         "",
@@ -257,9 +257,9 @@ def _compile(data: dict) -> list[str]:
         ("capture_s", "Dynamo capture"),
         ("aot_s", "AOTAutograd"),
         ("capture_aot_s", "capture + AOT (baseline)"),
-        ("canonicalize_s", "ours: canonicalise"),
+        ("canonicalize_s", "ours: canonicalize"),
         ("fuse_s", "ours: fuse"),
-        ("ours_s", "ours: canonicalise + fuse"),
+        ("ours_s", "ours: canonicalize + fuse"),
     ):
         g = data["growth"][key]
         ratio = g["ratio_last_to_first"]

@@ -689,7 +689,10 @@ def _variant(name, search_fn, replace_fn, examples, check, scalar_workaround, wh
         check=check,
         scalar_workaround=scalar_workaround,
         why=why,
-        search_fn_pattern=_exact_pattern(search_fn, examples(), scalar_workaround),
+        # built at registration: a variant no graph needs is never traced (FamilyPass registers lazily)
+        search_fn_pattern=lambda: _exact_pattern(search_fn, examples(), scalar_workaround),
+        # SDPA variants need SDPA in the graph; eager ones the softmax of eager_attention_forward
+        anchor_ops=(aten.scaled_dot_product_attention.default,) if name.startswith("sdpa_") else (aten.softmax.int,),
     )
 
 

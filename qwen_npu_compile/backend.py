@@ -23,8 +23,8 @@ import torch
 import torch.fx
 
 from . import canonicalize, dump, emit
-from .config import ALL_FAMILIES, QwenNpuConfig
-from .fuse import fuse
+from .config import QwenNpuConfig
+from .fuse import FusionPasses, fuse
 from .fusion import CompileTarget
 from .handoff import check_offline_mode, hand_off
 from .npu_ops import NpuOpsStatus, ensure_npu_ops
@@ -107,7 +107,7 @@ def rewrite(gm, example_inputs, config: QwenNpuConfig, status: NpuOpsStatus, dow
     Returns:
         ``(report, rewritten GraphModule)``.
     """
-    families = [family for family in ALL_FAMILIES if family in config.fusions]
+    families = list(FusionPasses.from_config(config).enabled)
     report = GraphReport(name=new_graph_name(), simulated=status.simulated, downstream=downstream, families=families)
 
     start = time.perf_counter()

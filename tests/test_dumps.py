@@ -29,6 +29,7 @@ def test_dump_dir_layout_and_summary(npu_ops, tmp_path, caplog):
     assert summary["simulated"] is True
     assert summary["versions"]["torch"] == torch.__version__
     assert summary["totals"] == {"rms_norm": 5, "swiglu": 2}
+    assert summary["variants"] == {"rms_norm_half": 5, "swiglu_linear_silu_left": 2}
     (graph,) = summary["graphs"]
     assert graph["name"] == folder.name
     assert graph["fusions"] == {"rms_norm": 5, "swiglu": 2}

@@ -5,7 +5,7 @@ No Ascend NPU is needed: what can be measured exactly on a CPU is measured, the 
 * :mod:`benchmarks.traffic` — kernels and bytes moved per Qwen2.5 decoder layer (AOT forward and
   backward graphs built under fake tensors at real shapes) for eager, verl-style monkey patches and
   qwen_npu, against the fused lower bound, with a time estimate at the Ascend A2's HBM bandwidth.
-* :mod:`benchmarks.compile_cost` — wall time of our canonicalise + fuse steps against Dynamo capture
+* :mod:`benchmarks.compile_cost` — wall time of our canonicalize + fuse stages against Dynamo capture
   and AOTAutograd, for 2, 8 and 24 layers.
 * :mod:`benchmarks.registration` — one-time pattern registration cost, measured in fresh processes.
 

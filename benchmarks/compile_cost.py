@@ -1,4 +1,4 @@
-"""Part 2: what our canonicalise + fuse steps cost, against Dynamo capture and AOTAutograd.
+"""Part 2: what our canonicalize + fuse stages cost, against Dynamo capture and AOTAutograd.
 
 For tiny-width Qwen2 models (hidden 64, 4 heads, 2 KV heads, bf16, B=2, S=32, training: forward, LM
 loss and backward) with 2, 8 and 24 layers, every sample is one ``torch.compile`` (after
@@ -11,7 +11,7 @@ loss and backward) with 2, 8 and 24 layers, every sample is one ``torch.compile`
 * ``aot_s``: AOTAutograd of the captured graph with no codegen (``aot_eager``; backward compiled
   eagerly, so it is inside the timing). Its result is what runs: the baseline pipeline.
 
-Our steps run first, straight after capture, as in the real backend; AOTAutograd then runs second and
+Our stages run first, straight after capture, as in the real backend; AOTAutograd then runs second and
 may profit from caches our retrace warmed (FakeTensor dispatch caches are process-wide), which can only
 make the baseline look cheaper and our ratio worse. One Dynamo capture per sample (instead of a
 compile per backend) halves the cost of this part, so that ``make bench`` stays within its budget.
@@ -60,7 +60,7 @@ def training_step(model, compiled, input_ids) -> None:
 
 
 def time_sample(model, input_ids) -> dict:
-    """Compile ``model`` once and time capture, our canonicalise and fuse steps, and AOTAutograd.
+    """Compile ``model`` once and time capture, our canonicalize and fuse stages, and AOTAutograd.
 
     Args:
         model: the model (its parameters are reused; gradients are reset).

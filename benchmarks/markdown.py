@@ -232,7 +232,7 @@ def _compile(data: dict) -> list[str]:
         "## 2. Compile cost (same process, tiny width, training step)",
         "",
         f"{setup['model']}; B={setup['batch']}, S={setup['seq_len']}; median of {setup['repeats']} repeat(s). "
-        "Each sample is one Dynamo capture, on which our canonicalise + fuse (`backend.rewrite`, registration "
+        "Each sample is one Dynamo capture, on which our canonicalize + fuse (`backend.rewrite`, registration "
         "excluded: see part 3) and AOTAutograd (`aot_eager`, the baseline) are both timed. Ratios are per "
         "sample, then the median.",
         "",
@@ -257,9 +257,9 @@ def _compile(data: dict) -> list[str]:
         ("capture_s", "Dynamo capture"),
         ("aot_s", "AOTAutograd"),
         ("capture_aot_s", "capture + AOT (baseline)"),
-        ("canonicalize_s", "ours: canonicalise"),
+        ("canonicalize_s", "ours: canonicalize"),
         ("fuse_s", "ours: fuse"),
-        ("ours_s", "ours: canonicalise + fuse"),
+        ("ours_s", "ours: canonicalize + fuse"),
     ):
         g = data["growth"][key]
         ratio = g["ratio_last_to_first"]
@@ -272,12 +272,12 @@ def _registration(data: dict) -> list[str]:
     lines = [
         "## 3. Pattern registration (fresh process)",
         "",
-        "| family | variants | registration s (first use) | cached call s |",
+        "| family | variants registered / declared | registration s (first use) | cached call s |",
         "|---|---|---|---|",
     ]
     for family, f in data["per_family"].items():
         reg = f"{f['registration_s']:.2f}" if f["registration_s"] is not None else "-"
-        lines.append(f"| {family} | {f['variants']} | {reg} | {f['cached_call_s']:.1e} |")
+        lines.append(f"| {family} | {f['variants']} / {f.get('declared_variants', '-')} | {reg} | {f['cached_call_s']:.1e} |")
     first, second = data["first_compile"], data["second_compile"]
     lines += [
         f"| **total** | {sum(f['variants'] for f in data['per_family'].values())} | {data['registration_total_s']:.2f} | - |",

@@ -10,7 +10,8 @@ How the graphs are built (no memory needed, B=1, S=4096 at 7B costs ~0.5 GB of h
    exactly as the model builds them.
 2. ``torch.compile(fullgraph=True)`` with a recording backend: Dynamo's graph goes through
    :func:`qwen_npu_compile.canonicalize.to_aten_graph`, then the variant's family passes
-   (``get_family_pass(name).apply``), then AOTAutograd (default partitioner, no recomputation, backward
+   (:func:`qwen_npu_compile.fuse.fuse`, checks as for torchair on an NPU) and
+   :func:`qwen_npu_compile.emit.finalize`, then AOTAutograd (default partitioner, no recomputation, backward
    compiled eagerly) whose forward and backward compilers record the two graphs. Variants that run the
    same model code share one Dynamo capture (each gets its own ATen graph, passes and AOT run).
 3. Per layer = graph(L=2) - graph(L=1), op by op; what L=1 has beyond one layer is the once-per-forward
@@ -18,7 +19,7 @@ How the graphs are built (no memory needed, B=1, S=4096 at 7B costs ~0.5 GB of h
 
 Variants:
 
-* ``eager``: no fusion (canonicalised graph, no pass): what the unpatched model runs.
+* ``eager``: no fusion (canonicalized graph, no pass): what the unpatched model runs.
 * ``verl``: transformers patched like verl (:mod:`benchmarks.verl_patch`): RMSNorm, SwiGLU (via
   ``cat``) and rotary (on BNSD q/k) fused, attention left to SDPA; no pass of ours runs.
 * ``qwen_npu_no_attention``: our passes for rms_norm, swiglu, rotary (the verl set, our rewrites).
@@ -64,9 +65,10 @@ import transformers
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers.models.qwen2 import modeling_qwen2
 
-from qwen_npu_compile import canonicalize, ensure_npu_ops
-from qwen_npu_compile.config import ALL_FAMILIES
-from qwen_npu_compile.fusion import RefusalRecorder
+from qwen_npu_compile import canonicalize, emit, ensure_npu_ops
+from qwen_npu_compile.config import ALL_FAMILIES, QwenNpuConfig
+from qwen_npu_compile.fuse import fuse
+from qwen_npu_compile.fusion import CompileTarget
 from qwen_npu_compile.check.models import resolve_model_config, tiny_qwen2_config, with_layers
 
 from .common import MIB, progress
@@ -156,7 +158,7 @@ class Variant:
 
 
 VARIANTS = (
-    Variant("eager", (), False, "no fusion: the canonicalised graph of the unpatched model"),
+    Variant("eager", (), False, "no fusion: the canonicalized graph of the unpatched model"),
     Variant(
         "verl",
         (),
@@ -409,13 +411,8 @@ def has_negative(table: dict[str, dict]) -> list[str]:
 # graph building
 
 
-def _modelled_target():
-    """Run the checks as they would run for an Ascend host (torchair downstream, real ops), if supported."""
-    from qwen_npu_compile import fusion
-
-    if hasattr(fusion, "targeting") and hasattr(fusion, "CompileTarget"):
-        return fusion.targeting(fusion.CompileTarget("torchair", False))
-    return contextlib.nullcontext()
+#: The checks run as they would for an Ascend host: torchair downstream, real npu ops.
+MODELLED_TARGET = CompileTarget("torchair", simulated=False)
 
 
 def build_graphs(
@@ -453,8 +450,6 @@ def build_graphs(
     from torch._functorch import config as functorch_config
     from torch._functorch.aot_autograd import make_boxed_func
 
-    from qwen_npu_compile.patterns import get_family_pass
-
     if len({v.verl for v in variants}) != 1:
         raise ValueError("variants sharing one capture must agree on the verl patches")
     ensure_npu_ops()
@@ -473,20 +468,12 @@ def build_graphs(
         for variant in variants:
             slot = captured[variant.name]
             aten_gm = canonicalize.to_aten_graph(gm, example_inputs)
-            recorder = RefusalRecorder()
-            with _modelled_target():
-                for family in ALL_FAMILIES:
-                    if family in variant.families:
-                        slot["fusions"][family] = get_family_pass(family).apply(aten_gm, recorder)
-            aten_gm.graph.eliminate_dead_code()
-            aten_gm.graph.lint()
-            aten_gm.recompile()
-            slot["refusals"] = sorted(
-                {f"{r.family}: {r.reason}" for r in recorder.live(aten_gm.graph) if r.family in variant.families}
-            )
-            inputs = list(example_inputs)
-            if hasattr(canonicalize, "lift_tensor_constants"):  # as backend.hand_off does (transformers 4.x)
-                inputs += [fake_mode.from_tensor(c) for c in canonicalize.lift_tensor_constants(aten_gm)]
+            result = fuse(aten_gm, QwenNpuConfig(fusions=frozenset(variant.families)), target=MODELLED_TARGET)
+            emit.finalize(aten_gm)
+            slot["fusions"] = result.fusions
+            slot["refusals"] = sorted({f"{r.family}: {r.reason}" for r in result.refusals if r.family in variant.families})
+            # tensor constants become trailing inputs, as in the backend (transformers 4.x's mask scalars)
+            inputs = [*example_inputs, *(fake_mode.from_tensor(c) for c in emit.lift_constants(aten_gm))]
             with functorch_config.patch(force_non_lazy_backward_lowering=True):
                 aot_autograd(fw_compiler=record(slot, "forward"), bw_compiler=record(slot, "backward"))(aten_gm, inputs)
         return gm.forward  # both graphs are recorded; Dynamo runs the captured graph once, on fake tensors

@@ -1,14 +1,21 @@
 """Fusion families, one file each; installed as the subpackage ``qwen_npu_compile.patterns``.
 
-:data:`FAMILIES` is the explicit registry (no import-time side effects): family name -> class.
-See ``README.md`` in this folder for how to add a family.
+:data:`FAMILIES` is the explicit registry (no import-time side effects): family name -> class, in
+pass order. Everything else about the families is derived from their classes here:
+``qwen_npu_compile.config.ALL_FAMILIES`` (the names), :func:`expected_fusions` (what a model config
+must give, used by ``check`` and the tests) and :func:`backward_ops` (the fused backward op per
+family). See ``README.md`` in this folder for how to add a family.
+
+Import graph: this package imports :mod:`qwen_npu_compile.fusion` and the ops, never
+:mod:`qwen_npu_compile.config` (which imports this registry).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
+from typing import Any
 
-from qwen_npu_compile.config import ALL_FAMILIES
 from qwen_npu_compile.fusion import FamilyPass, FusionFamily
 
 from .attention import AttentionFamily
@@ -16,23 +23,55 @@ from .rms_norm import RmsNormFamily
 from .rotary import RotaryFamily
 from .swiglu import SwiGluFamily
 
+#: Every fusion family, in pass order (a family may rewrite what a later one matches).
 FAMILIES: dict[str, type[FusionFamily]] = {
-    RmsNormFamily.name: RmsNormFamily,
-    SwiGluFamily.name: SwiGluFamily,
-    RotaryFamily.name: RotaryFamily,
-    AttentionFamily.name: AttentionFamily,
+    family.name: family for family in (RmsNormFamily, SwiGluFamily, RotaryFamily, AttentionFamily)
 }
-
-assert tuple(FAMILIES) == ALL_FAMILIES, "config.ALL_FAMILIES must list the families of FAMILIES in pass order"
 
 
 @functools.cache
 def get_family_pass(name: str) -> FamilyPass:
-    """The process-wide pass of family ``name`` (its patterns are registered once, at first apply): the
-    family's ``pass_class`` (a :class:`FamilyPass` subclass, e.g. rms_norm's add-fusing pass) or FamilyPass.
+    """The process-wide pass of family ``name`` (a variant is registered once, when a graph first
+    needs it): the family's ``pass_class`` (a :class:`FamilyPass` subclass, e.g. rms_norm's
+    add-fusing pass) or FamilyPass.
 
     Raises:
         KeyError: ``name`` is not in :data:`FAMILIES`.
     """
-    family = FAMILIES[name]
-    return getattr(family, "pass_class", FamilyPass)(family())
+    return FAMILIES[name]().make_pass()
+
+
+def expected_fusions(model_config: Any, families: Iterable[str] | None = None, *, per_layer: bool = False) -> dict[str, int]:
+    """Fusions a model of ``model_config`` must give, per family, in pass order.
+
+    Whole model: RMSNorm 2 per decoder layer (4 with Qwen3's q_norm/k_norm) + the final norm,
+    SwiGLU 1, rotary 2 (q and k), attention 1 per layer. ``per_layer``: one decoder layer's graph
+    (``maybe_compile``): the same without the final norm.
+
+    Args:
+        model_config: a transformers ``PretrainedConfig`` (``model_type``; ``num_hidden_layers`` for the
+            whole model).
+        families: the enabled families (any order); None means all of :data:`FAMILIES`.
+        per_layer: count one decoder layer instead of the whole model.
+
+    Returns:
+        ``{family: count}`` for the enabled families, e.g. ``{"rms_norm": 5, "swiglu": 2, "rotary": 4,
+        "attention": 2}`` for a 2-layer Qwen2.
+
+    Raises:
+        KeyError: an unknown family name in ``families``.
+    """
+    enabled = set(FAMILIES) if families is None else set(families)
+    unknown = sorted(enabled - set(FAMILIES))
+    if unknown:
+        raise KeyError(f"unknown fusion famil{'y' if len(unknown) == 1 else 'ies'} {unknown}; known: {list(FAMILIES)}")
+    return {
+        name: family.expected_count(model_config, per_layer=per_layer)
+        for name, family in FAMILIES.items() if name in enabled
+    }  # fmt: skip
+
+
+def backward_ops() -> dict[str, str]:
+    """Per family, the npu op that must reach the AOT backward graph once per fusion (training):
+    ``{"rms_norm": "npu_rms_norm_backward", ...}``, in pass order."""
+    return {name: family.backward_op_name for name, family in FAMILIES.items()}

@@ -662,7 +662,8 @@ def _variant(row: Spelling) -> PatternVariant:
         scalar_workaround=scalar_workaround,
         why=row.why,
         # exact but for size lists: repeat_kv's under symbolic B and S (see fusion.exact_pattern)
-        search_fn_pattern=exact_pattern(search_fn, examples(), scalar_workaround),
+        # built at registration: a variant no graph needs is never traced (FamilyPass registers lazily)
+        search_fn_pattern=lambda: exact_pattern(search_fn, examples(), scalar_workaround),
         anchor_ops=row.anchor_ops,
     )
 
@@ -691,6 +692,8 @@ class AttentionFamily(FusionFamily):
     pass_class = AttentionPass
     anchor_ops = (aten.scaled_dot_product_attention.default, aten.softmax.int)
     fused_op_names = ("npu_fusion_attention",)
+    backward_op_name = "npu_fusion_attention_grad"
+    per_layer = 1
 
     def iter_variants(self):
         return (_variant(row) for row in SPELLINGS)

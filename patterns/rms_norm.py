@@ -69,6 +69,10 @@ from qwen_npu_compile.npu_ops.scalars import scalar_argument
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
 
+#: ``model_type`` values whose attention adds two RMSNorms per layer: q_norm and k_norm over head_dim
+#: (transformers ``models/qwen3/modeling_qwen3.py`` ``Qwen3Attention``).
+QK_NORM_MODEL_TYPES = frozenset({"qwen3"})
+
 
 def _search(x, weight, eps):
     input_dtype = x.dtype
@@ -212,7 +216,15 @@ class RmsNormFamily(FusionFamily):
     name = "rms_norm"
     anchor_ops = (aten.rsqrt.default,)
     fused_op_names = ("npu_rms_norm", "npu_add_rms_norm")
+    backward_op_name = "npu_rms_norm_backward"
+    per_layer = 2  # input_layernorm, post_attention_layernorm
+    outside_layers = 1  # the final norm
     pass_class = RmsNormPass
+
+    @classmethod
+    def expected_per_layer(cls, model_config) -> int:
+        """2 per decoder layer, 4 where attention normalises q and k per head (:data:`QK_NORM_MODEL_TYPES`)."""
+        return cls.per_layer + (2 if getattr(model_config, "model_type", None) in QK_NORM_MODEL_TYPES else 0)
 
     def iter_variants(self):
         # One variant per dtype family, because the normalised graphs differ structurally:

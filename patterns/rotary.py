@@ -317,6 +317,8 @@ class RotaryFamily(FusionFamily):
     name = "rotary"
     anchor_ops = (aten.neg.default,)
     fused_op_names = ("npu_rotary_mul",)
+    backward_op_name = "npu_rotary_mul_backward"
+    per_layer = 2  # q and k
 
     def iter_variants(self):
         # No casts in the subgraph, so one trace covers every dtype (mixed dtypes: the check picks the

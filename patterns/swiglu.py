@@ -178,6 +178,8 @@ class SwiGluFamily(FusionFamily):
     name = "swiglu"
     anchor_ops = (aten.silu.default,)
     fused_op_names = ("npu_swiglu",)
+    backward_op_name = "npu_swiglu_backward"
+    per_layer = 1  # the MLP
 
     def iter_variants(self):
         # The graph is dtype-independent (no casts), so one trace per operand order covers all dtypes.

@@ -1,12 +1,16 @@
-"""The ``qwen_npu`` Dynamo backend: canonicalise, fuse, report, hand off.
+"""The ``qwen_npu`` Dynamo backend: a short orchestrator of the four stages.
 
 Registered only through the ``torch_dynamo_backends`` entry point (``pyproject.toml``), so
 ``torch.compile(model, backend="qwen_npu", options={...})`` finds it without importing anything here
 at ``import torch`` time::
 
-    Dynamo graph --(canonicalize)--> pre-autograd ATen graph --(fuse, per family)--> rewritten graph
-                 --(hand off)--> torchair (real torch_npu, or off-NPU conversion check) | aot_eager (default off-NPU)
-                                 | eager | inductor
+    Dynamo graph --canonicalize--> pre-autograd ATen graph --fuse (a pass per family)--> rewritten graph
+                 --emit--> finished graph + report --hand off--> torchair (real torch_npu, or off-NPU
+                 conversion check) | aot_eager (default off-NPU) | eager | inductor
+
+canonicalize: :mod:`~qwen_npu_compile.canonicalize`; fuse: :mod:`~qwen_npu_compile.fuse`; emit:
+:mod:`~qwen_npu_compile.emit`; hand off: :mod:`~qwen_npu_compile.handoff`. Reports:
+:mod:`~qwen_npu_compile.report`; dumps: :mod:`~qwen_npu_compile.dump`.
 """
 
 from __future__ import annotations
@@ -14,17 +18,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 import torch.fx
 
-from . import canonicalize
-from .config import ALL_FAMILIES, QwenNpuConfig
-from .fusion import CompileTarget, RefusalRecorder, targeting
+from . import canonicalize, dump, emit
+from .config import QwenNpuConfig
+from .fuse import FusionPasses, fuse
+from .fusion import CompileTarget
 from .handoff import check_offline_mode, hand_off
 from .npu_ops import NpuOpsStatus, ensure_npu_ops
-from .report import SUMMARY, FusionError, GraphReport, write_graph_dump, write_report
+from .report import SUMMARY, FusionError, GraphReport, new_graph_name
 
 log = logging.getLogger("qwen_npu_compile")
 
@@ -64,15 +68,8 @@ def qwen_npu_backend(
     status = ensure_npu_ops()
     downstream = resolve_downstream(config, status)
     report, rewritten = rewrite(gm, example_inputs, config, status, downstream)
-    strict_refusals = [r for r in report.refused if r.family in report.families]
-    if config.strict and report.fallback and report.families:
-        publish(report, config)
-        raise FusionError(f"qwen_npu strict mode: {report.name} compiled unfused: {report.fallback}")
-    if config.strict and strict_refusals:
-        publish(report, config)
-        lines = "\n".join(f"  {r.family}: {r.reason} (at {r.source})" for r in strict_refusals)
-        raise FusionError(f"qwen_npu strict mode: {len(strict_refusals)} fusion(s) refused in {report.name}:\n{lines}")
-    constants = canonicalize.lift_tensor_constants(rewritten)
+    refuse_in_strict_mode(report, config)
+    constants = emit.lift_constants(rewritten)
     try:
         compiled = hand_off(downstream, rewritten, [*example_inputs, *constants], report, config)
     except torch._dynamo.exc.RestartAnalysis:
@@ -83,20 +80,7 @@ def qwen_npu_backend(
         publish(report, config)
         raise
     publish(report, config)
-    return bind_trailing_inputs(compiled, constants) if constants else compiled
-
-
-def bind_trailing_inputs(compiled, extra: list[torch.Tensor]):
-    """Wrap ``compiled`` so that ``extra`` is passed after the caller's inputs.
-
-    Dynamo calls a backend's result as ``fn(*args)``. (``_boxed_call`` is not a reliable signal here:
-    ``functools.wraps`` copies it onto AOTAutograd's unboxed ``forward``.)
-    """
-
-    def run(*args):
-        return compiled(*args, *extra)
-
-    return run
+    return emit.bind_trailing_inputs(compiled, constants)
 
 
 def resolve_downstream(config: QwenNpuConfig, status: NpuOpsStatus) -> str:
@@ -116,18 +100,15 @@ def resolve_downstream(config: QwenNpuConfig, status: NpuOpsStatus) -> str:
 
 
 def rewrite(gm, example_inputs, config: QwenNpuConfig, status: NpuOpsStatus, downstream: str):
-    """Canonicalise ``gm`` and run the enabled fusion passes (the report is published by the caller).
+    """Canonicalize ``gm``, fuse, emit (the report is published by the caller).
+
+    A graph that cannot be canonicalized comes back as it is, unfused, with ``report.fallback`` saying why.
 
     Returns:
         ``(report, rewritten GraphModule)``.
     """
-    from qwen_npu_compile.patterns import get_family_pass
-
-    compile_id = torch._guards.CompileContext.current_compile_id()
-    index = SUMMARY.next_index()
-    name = f"g{index:03d}_{str(compile_id).replace('/', '_') if compile_id is not None else 'eager'}"
-    families = [family for family in ALL_FAMILIES if family in config.fusions]
-    report = GraphReport(name=name, simulated=status.simulated, downstream=downstream, families=families)
+    families = list(FusionPasses.from_config(config).enabled)
+    report = GraphReport(name=new_graph_name(), simulated=status.simulated, downstream=downstream, families=families)
 
     start = time.perf_counter()
     try:
@@ -139,50 +120,40 @@ def rewrite(gm, example_inputs, config: QwenNpuConfig, status: NpuOpsStatus, dow
         reason = str(exc) if isinstance(exc, canonicalize.CanonicalizationError) else f"{type(exc).__name__}: {exc}"
         report.fallback = reason
         report.fusions = dict.fromkeys(families, 0)
-        log.warning("qwen_npu %s: fusion skipped, compiling the graph unfused: %s", name, reason)
+        log.warning("qwen_npu %s: fusion skipped, compiling the graph unfused: %s", report.name, reason)
         return report, gm
     report.seconds["canonicalize"] = time.perf_counter() - start
-    folder = dump_root(config) / name if config.dump_dir is not None else None
-    if folder is not None:
-        report.dump_path = str(folder)
-        write_graph_dump(folder, "captured", gm)
-        write_graph_dump(folder, "canonical", aten_gm)
+    dump.write_graph(config, report, "captured", gm)
+    dump.write_graph(config, report, "canonical", aten_gm)
 
-    recorder = RefusalRecorder()
-    start = time.perf_counter()
-    with targeting(CompileTarget(downstream, status.simulated)):
-        for family in families:
-            family_pass = get_family_pass(family)
-            report.already_fused[family] = family_pass.count_fused(aten_gm.graph)
-            report.anchors[family] = family_pass.count_anchors(aten_gm.graph)
-            report.fusions[family] = family_pass.apply(aten_gm, recorder)
-    for family in ALL_FAMILIES:
-        if family not in config.fusions:
-            # a disabled family is not matched; say so wherever its anchor op shows it could have been
-            for anchor in get_family_pass(family).anchor_nodes(aten_gm.graph):
-                recorder.refuse(family, anchor, f"family {family!r} is disabled (fusions={sorted(config.fusions)})")
-    aten_gm.graph.eliminate_dead_code()
-    aten_gm.graph.lint()
-    aten_gm.recompile()
-    report.seconds["fuse"] = time.perf_counter() - start
-    report.refused = recorder.live(aten_gm.graph)
-    if folder is not None:
-        write_graph_dump(folder, "rewritten", aten_gm)
+    result = fuse(aten_gm, config, target=CompileTarget(downstream, status.simulated))
+    emit.record(report, result)
+    emit.finalize(aten_gm)
+    dump.write_graph(config, report, "rewritten", aten_gm)
     return report, aten_gm
 
 
-def dump_root(config: QwenNpuConfig) -> Path:
-    """The dump folder of this process: ``dump_dir``, or ``dump_dir/rank<N>`` under torch.distributed
-    (each rank compiles the same graphs and would overwrite the others' files)."""
-    import torch.distributed as dist
+def refuse_in_strict_mode(report: GraphReport, config: QwenNpuConfig) -> None:
+    """In strict mode, publish ``report`` and raise when an enabled family did not fuse everything.
 
-    if dist.is_available() and dist.is_initialized():
-        return config.dump_dir / f"rank{dist.get_rank()}"
-    return config.dump_dir
+    Raises:
+        FusionError: ``config.strict`` and the graph fell back unfused, or an enabled family refused or
+            near-missed a match (the message lists each reason and model source line).
+    """
+    if not config.strict:
+        return
+    if report.fallback and report.families:
+        publish(report, config)
+        raise FusionError(f"qwen_npu strict mode: {report.name} compiled unfused: {report.fallback}")
+    refused = [r for r in report.refused if r.family in report.families]
+    if refused:
+        publish(report, config)
+        lines = "\n".join(f"  {r.family}: {r.reason} (at {r.source})" for r in refused)
+        raise FusionError(f"qwen_npu strict mode: {len(refused)} fusion(s) refused in {report.name}:\n{lines}")
 
 
 def publish(report: GraphReport, config: QwenNpuConfig) -> None:
-    """Record ``report`` in the process summary, log its line (and the near-miss warning), dump it."""
+    """Record ``report`` in the process's reports, log its line (and the near-miss warning), dump it."""
     SUMMARY.add(report)
     log.info(report.log_line())
     missed = [f for f in report.families if report.fusions[f] == 0 and report.anchors.get(f, 0) > 0]
@@ -191,5 +162,4 @@ def publish(report: GraphReport, config: QwenNpuConfig) -> None:
             "qwen_npu %s: enabled famil%s %s found %s anchor op(s) but fused nothing; %s",
             report.name, "y" if len(missed) == 1 else "ies", missed, [report.anchors[f] for f in missed], _DUMP_HINT,
         )
-    if config.dump_dir is not None:
-        write_report(report, dump_root(config))
+    dump.publish(report, config)

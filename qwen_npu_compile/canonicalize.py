@@ -1,4 +1,5 @@
-"""Step 1 of the pipeline: retrace a Dynamo graph to the canonical pre-autograd ATen graph.
+"""The *canonicalize* stage (canonicalize → fuse → emit → hand off): retrace a Dynamo graph to the
+canonical pre-autograd ATen graph.
 
 Dynamo's torch-IR graphs spell one computation many ways (``x.pow(2)`` / ``torch.pow`` / ``**``,
 call_method vs call_function, autocast and grad-mode nodes), so patterns are matched one level lower:
@@ -278,7 +279,7 @@ def lift_tensor_constants(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
     mask construction) as plain *real* tensor attributes ``_tensor_constantN``; AOTAutograd, which
     traces under a fake mode, rejects them ("expected FakeTensor for arg, got Tensor"). As inputs
     they are fakeified like every other input. The caller passes the returned tensors after the
-    original inputs (``backend.bind_trailing_inputs``).
+    original inputs (:func:`qwen_npu_compile.emit.bind_trailing_inputs`).
 
     Returns:
         The constants, in the order of the placeholders appended to ``gm``.

@@ -31,8 +31,11 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-#: Every fusion family this project knows, in pass order. Each has a pattern file in ``patterns/``.
-ALL_FAMILIES: tuple[str, ...] = ("rms_norm", "swiglu", "rotary", "attention")
+from .patterns import FAMILIES  # the registry imports fusion and the ops, never this module
+
+#: Every fusion family this project knows, in pass order: the names of the registry
+#: :data:`qwen_npu_compile.patterns.FAMILIES` (each family is declared once, in its ``patterns/`` file).
+ALL_FAMILIES: tuple[str, ...] = tuple(FAMILIES)
 DOWNSTREAMS: tuple[str, ...] = ("torchair", "aot_eager", "eager", "inductor")
 
 ENV_FUSIONS = "QWEN_NPU_FUSIONS"

@@ -1,16 +1,19 @@
-"""Step 2 of the pipeline: the machinery every fusion family is built on.
+"""The machinery every fusion family is built on (the *fuse* stage runs it: :mod:`qwen_npu_compile.fuse`).
 
-A *family* (one file in ``patterns/``) describes one kind of subgraph (RMSNorm, SwiGLU, ...): the
-anchor op that betrays its presence, the fused ops it produces, and a generator of
-:class:`PatternVariant` objects (one per dtype family / spelling), in the style of Inductor's
+A *family* (one file in ``patterns/``) says everything about one kind of subgraph (RMSNorm, SwiGLU, ...)
+in one :class:`FusionFamily` subclass: the anchor op that betrays its presence, the fused ops it
+produces and the backward op they bring, how many fusions a model config must give, and a generator
+of :class:`PatternVariant` objects (one per dtype family / spelling), in the style of Inductor's
 ``fx_passes/fuse_attention.py::_get_sfdp_patterns``.
 
 A :class:`FamilyPass` owns one Inductor ``PatternMatcherPass`` per family (never the global Inductor
-pattern tables), registers the variants lazily on first use with ``register_replacement`` (through
+pattern tables) and registers a variant with ``register_replacement`` (through
 :func:`qwen_npu_compile.compat.register_replacement`: its keywords differ by torch version) and
-:func:`qwen_npu_compile.canonicalize.trace_pattern` (so patterns are traced exactly like the graphs),
-and wraps each variant's ``check`` so that every refusal is recorded with its reason and model source
-line. After matching, every anchor op left in the graph is a *near miss* and gets a recorded reason too.
+:func:`qwen_npu_compile.canonicalize.trace_pattern` (so patterns are traced exactly like the graphs)
+lazily: the first time one of its anchor ops occurs in a graph being fused. It wraps each variant's
+``check`` so that every refusal is recorded with its reason and model source line, and every applied
+replacement is counted per variant. After matching, every anchor op left in the graph is a *near
+miss* and gets a recorded reason too.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import logging
 import os
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -53,8 +58,11 @@ class PatternVariant:
         why: one line on why this variant exists.
         search_fn_pattern: optional prebuilt pattern used as is, for the first match and as the exact
             pattern (Inductor then skips re-tracing ``search_fn`` with the match's shapes, a re-trace
-            that can bind only one of several independent symbolic sizes; see ``patterns/attention.py``).
-        anchor_ops: ATen ops whose presence in a graph means this variant may match; empty = the family's anchor_ops
+            that can bind only one of several independent symbolic sizes; see ``patterns/attention.py``),
+            or a function without arguments that builds it (called at registration, so that a variant
+            no graph needs is never traced).
+        anchor_ops: ATen ops of which one must occur in a graph before this variant is registered
+            (traced) for it; empty means the family's :attr:`FusionFamily.anchor_ops`.
     """
 
     name: str
@@ -64,12 +72,14 @@ class PatternVariant:
     check: CheckFn | None = None
     scalar_workaround: dict[str, float | int] = dataclasses.field(default_factory=dict)
     why: str = ""
-    search_fn_pattern: pm.PatternExpr | None = None
+    search_fn_pattern: pm.PatternExpr | Callable[[], pm.PatternExpr] | None = None
     anchor_ops: tuple = ()
 
 
 class FusionFamily:
-    """Base class of a fusion family; subclass it in ``patterns/<family>.py``.
+    """Base class of a fusion family; subclass it in ``patterns/<family>.py``. The subclass is the one
+    place that declares the family: the registry (``qwen_npu_compile.patterns``), the config's family
+    names, the ``check`` command's expected counts and backward ops are all derived from it.
 
     Class attributes:
         name: the family name used in options, env vars and reports (``"rms_norm"``).
@@ -77,11 +87,42 @@ class FusionFamily:
             any left after matching is reported as a near miss.
         fused_op_names: names of the ``torch.ops.npu`` ops this family emits; when the captured graph
             already holds them (a monkey-patched model), they are counted as "already fused".
+        backward_op_name: the ``torch.ops.npu`` op that reaches the AOT backward graph once per fusion
+            when training (``npu_rms_norm_backward``).
+        per_layer: fusions in one decoder layer of a Qwen2 model (see :meth:`expected_per_layer`).
+        outside_layers: fusions of a whole model outside its decoder layers (the final norm: 1).
+        pass_class: the :class:`FamilyPass` subclass that runs the family (None: ``FamilyPass``).
     """
 
     name: str = ""
     anchor_ops: tuple = ()
     fused_op_names: tuple[str, ...] = ()
+    backward_op_name: str = ""
+    per_layer: int = 0
+    outside_layers: int = 0
+    pass_class: type[FamilyPass] | None = None
+
+    @classmethod
+    def expected_per_layer(cls, model_config: Any) -> int:
+        """Fusions one decoder layer of ``model_config`` (a transformers ``PretrainedConfig``) must give;
+        override when it depends on the architecture (Qwen3's q_norm/k_norm)."""
+        return cls.per_layer
+
+    @classmethod
+    def expected_count(cls, model_config: Any, *, per_layer: bool = False) -> int:
+        """Fusions a model of ``model_config`` must give: one decoder layer's graph (``per_layer``, as
+        ``maybe_compile`` compiles them) or the whole model's (``num_hidden_layers`` layers + what lies
+        outside them).
+
+        Raises:
+            AttributeError: ``model_config`` has no ``num_hidden_layers`` (whole model only).
+        """
+        count = cls.expected_per_layer(model_config)
+        return count if per_layer else count * model_config.num_hidden_layers + cls.outside_layers
+
+    def make_pass(self) -> FamilyPass:
+        """A new pass running this family (:attr:`pass_class`, else :class:`FamilyPass`)."""
+        return (self.pass_class or FamilyPass)(self)
 
     @property
     def fused_ops(self) -> tuple:
@@ -152,6 +193,16 @@ def _set_within(var: contextvars.ContextVar, value):
 def recording(recorder: RefusalRecorder):
     """Route the refusals of the checks that run inside this block to ``recorder``."""
     return _set_within(_ACTIVE_RECORDER, recorder)
+
+
+_ACTIVE_MATCHES: contextvars.ContextVar[Counter[str] | None] = contextvars.ContextVar(
+    "qwen_npu_matches", default=None
+)
+
+
+def counting_matches(counter: Counter[str]):
+    """Count the replacements applied inside this block in ``counter``, per variant name."""
+    return _set_within(_ACTIVE_MATCHES, counter)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,20 +282,78 @@ def meta_val(node: object):
 
 
 class FamilyPass:
-    """The pattern pass of one family: owned ``PatternMatcherPass``, lazy one-time registration."""
+    """The pattern pass of one family: an owned ``PatternMatcherPass``, lazy once-only registration.
+
+    A variant is traced and registered the first time one of its anchor ops
+    (:attr:`PatternVariant.anchor_ops`, else the family's) occurs in a graph given to :meth:`apply`,
+    and never again in the process (Inductor asserts on duplicate registration). Variants registered
+    later go into the same ``PatternMatcherPass`` (Inductor's ``PatternEntry.register`` appends to its
+    per-op lists; ``apply`` reads them afresh each time); the lists are then put back in declaration
+    order, because the matcher tries the entries of one op in list order.
+
+    Attributes:
+        family: the family run by this pass.
+        matcher: the Inductor ``PatternMatcherPass`` holding the registered variants.
+        variants: the registered variants, in declaration order.
+        duplicates: names of registered variants that traced to a pattern registered before them (Inductor
+            skips them: ``skip_duplicates=True``), so they can never match.
+        registration_seconds: wall time spent registering, summed over every registration; None before
+            the first.
+        matched_count: applied replacements per variant name over the process (vLLM's ``matched_count``).
+    """
 
     def __init__(self, family: FusionFamily) -> None:
         self.family = family
         self.matcher = pm.PatternMatcherPass(pass_name=f"qwen_npu_{family.name}_fusion")
         self.variants: list[PatternVariant] = []
+        self.duplicates: set[str] = set()
         self.registration_seconds: float | None = None
+        self.matched_count: Counter[str] = Counter()
+        self._declared: list[PatternVariant] | None = None
+        self._registered: set[str] = set()
+        self._entry_rank: dict[int, int] = {}
 
-    def ensure_registered(self) -> None:
-        """Trace and register every variant once (Inductor asserts on duplicate registration)."""
-        if self.registration_seconds is not None:
-            return
+    @property
+    def declared_variants(self) -> list[PatternVariant]:
+        """Every variant the family yields (built once; building one does not trace its pattern).
+
+        Raises:
+            ValueError: two variants share a name.
+        """
+        if self._declared is None:
+            declared = list(self.family.iter_variants())
+            names = [variant.name for variant in declared]
+            repeated = sorted({name for name in names if names.count(name) > 1})
+            if repeated:
+                raise ValueError(f"qwen_npu: {self.family.name} declares variant name(s) {repeated} more than once")
+            self._declared = declared
+        return self._declared
+
+    def variant_anchor_ops(self, variant: PatternVariant) -> tuple:
+        """The ops whose presence gets ``variant`` registered: its own, else the family's."""
+        return variant.anchor_ops or self.family.anchor_ops
+
+    def ensure_registered(self, graph: torch.fx.Graph | None = None) -> list[PatternVariant]:
+        """Register the variants ``graph`` needs (one of their anchor ops occurs in it) that are not yet
+        registered; every variant when ``graph`` is None.
+
+        Returns:
+            The variants registered by this call (empty when nothing was missing).
+        """
+        present = None if graph is None else {node.target for node in graph.nodes if node.op == "call_function"}
+        wanted = [
+            (rank, variant) for rank, variant in enumerate(self.declared_variants)
+            if variant.name not in self._registered
+            and (present is None or any(op in present for op in self.variant_anchor_ops(variant)))
+        ]  # fmt: skip
+        if not wanted:
+            return []
         start = time.perf_counter()
-        for variant in self.family.iter_variants():
+        for rank, variant in wanted:
+            before = {id(entry) for entries in self.matcher.patterns.values() for entry in entries}
+            pattern = variant.search_fn_pattern
+            if pattern is not None and not isinstance(pattern, pm.PatternExpr):
+                pattern = pattern()  # built on demand: a variant no graph needs is never traced
             compat.register_replacement(
                 variant.search_fn,
                 variant.replace_fn,
@@ -253,20 +362,37 @@ class FamilyPass:
                 self.matcher,
                 extra_check=self._wrap_check(variant),
                 scalar_workaround=variant.scalar_workaround,
-                search_fn_pattern=variant.search_fn_pattern,
+                search_fn_pattern=pattern,
                 name=variant.name,
             )
-            self.variants.append(variant)
-        self.registration_seconds = time.perf_counter() - start
-        log.debug("qwen_npu: registered %d %s variants in %.2fs", len(self.variants), self.family.name,
-                  self.registration_seconds)
+            added = [entry for entries in self.matcher.patterns.values() for entry in entries if id(entry) not in before]
+            if not added:
+                self.duplicates.add(variant.name)
+                log.debug("qwen_npu: %s traces to a pattern registered before it; Inductor skipped it", variant.name)
+            self._entry_rank.update((id(entry), rank) for entry in added)
+            self._registered.add(variant.name)
+        for entries in self.matcher.patterns.values():  # declaration order, as one registration would give
+            entries.sort(key=lambda entry: self._entry_rank.get(id(entry), -1))
+        self.variants = [variant for variant in self.declared_variants if variant.name in self._registered]
+        seconds = time.perf_counter() - start
+        self.registration_seconds = (self.registration_seconds or 0.0) + seconds
+        log.debug("qwen_npu: registered %d %s variant(s) in %.2fs (%d of %d now)", len(wanted), self.family.name,
+                  seconds, len(self.variants), len(self.declared_variants))
+        return [variant for _, variant in wanted]
 
     def _wrap_check(self, variant: PatternVariant) -> Callable[[pm.Match], bool]:
         family = self.family
 
         def extra_check(match: pm.Match) -> bool:
+            # Inductor's register_replacement calls this last, on a match that is complete; when it
+            # returns True the replacement is applied right away (PatternMatcherPass.apply), so
+            # counting here counts applied replacements, not merely checked ones.
             reason = variant.check(match) if variant.check is not None else None
             if reason is None:
+                self.matched_count[variant.name] += 1
+                counter = _ACTIVE_MATCHES.get()
+                if counter is not None:
+                    counter[variant.name] += 1
                 return True
             recorder = _ACTIVE_RECORDER.get()
             if recorder is not None:
@@ -279,10 +405,13 @@ class FamilyPass:
     def apply(self, gm: torch.fx.GraphModule, recorder: RefusalRecorder) -> int:
         """Fuse every match in ``gm`` in place; record refusals and near misses in ``recorder``.
 
+        The variants the graph needs are registered first (:meth:`ensure_registered`); applied
+        replacements are counted per variant into the counter of an enclosing :func:`counting_matches`.
+
         Returns:
             The number of subgraphs replaced.
         """
-        self.ensure_registered()
+        self.ensure_registered(gm.graph)
         with recording(recorder):
             count = self.matcher.apply(gm)
         for anchor in self.anchor_nodes(gm.graph):

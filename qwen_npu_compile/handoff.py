@@ -1,4 +1,6 @@
-"""Hand the rewritten graph to the downstream backend: torchair | aot_eager | eager | inductor.
+"""The *hand off* stage: give the emitted graph to the downstream backend: torchair | aot_eager | eager | inductor.
+
+Pipeline: canonicalize → fuse → emit → **hand off** (:mod:`qwen_npu_compile.backend`).
 
 torchair: on an Ascend host (real torch_npu) the installed torchair compiles the graph for the NPU.
 Without one (simulated npu ops) the torchair of the paired torch_npu wheel runs off-NPU
@@ -16,9 +18,9 @@ import warnings
 import torch
 import torch.fx
 
-from . import compat
+from . import compat, dump
 from .config import QwenNpuConfig
-from .report import GraphReport, npu_op_counts, write_graph_dump, write_report
+from .report import GraphReport, npu_op_counts
 
 log = logging.getLogger("qwen_npu_compile")
 
@@ -55,11 +57,8 @@ def _recording_compiler(kind: str, report: GraphReport, config: QwenNpuConfig):
 
     def compiler(gm: torch.fx.GraphModule, example_inputs):
         report.aot_ops[kind] = npu_op_counts(gm.graph)
-        if config.dump_dir is not None:
-            from .backend import dump_root
-
-            write_graph_dump(dump_root(config) / report.name, f"aot_{kind}", gm)
-            write_report(report, dump_root(config))
+        dump.write_graph(config, report, f"aot_{kind}", gm)
+        dump.write_report(report, config)
         return make_boxed_func(gm.forward)
 
     return compiler
@@ -134,18 +133,11 @@ def torchair_compiler_config(compiler_config, config: QwenNpuConfig, report: Gra
         run_eagerly = True
     compiler_config.debug.run_eagerly = run_eagerly
     if config.torchair_dump is not None and config.dump_dir is not None:
-        from .backend import dump_root
-
-        folder = dump_root(config) / report.name / "torchair"
-        folder.mkdir(parents=True, exist_ok=True)
         compiler_config.debug.graph_dump.type = config.torchair_dump
-        compiler_config.debug.graph_dump.path = str(folder)
+        compiler_config.debug.graph_dump.path = str(dump.torchair_folder(config, report))
     return compiler_config
 
 
 def _after_ge_graph(report: GraphReport, config: QwenNpuConfig, graph) -> None:
     report.aot_ops[graph.kind] = dict(graph.npu_ops)
-    if config.dump_dir is not None:
-        from .backend import dump_root
-
-        write_report(report, dump_root(config))
+    dump.write_report(report, config)

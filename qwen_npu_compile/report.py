@@ -1,21 +1,24 @@
-"""Step 5: what every compile reports — a log line, an optional dump folder, and ``summary.json``.
+"""What every compile reports: one :class:`GraphReport` per compiled graph, its log line, and the
+process-wide list of them (:func:`get_reports`).
 
-One :class:`GraphReport` per compiled graph. With a dump dir, each graph gets a folder
-``<dump_dir>/<graph name>/`` holding ``captured.py`` (Dynamo's graph), ``canonical.py`` (the
-pre-autograd ATen graph), ``rewritten.py`` (after fusion), ``aot_forward.py`` / ``aot_backward.py``
-when the aot_eager downstream compiles them, and ``report.json``; ``<dump_dir>/summary.json``
-accumulates every graph compiled in the process (format in the README).
+The report is filled along the pipeline, canonicalize → fuse → emit → hand off: the canonicalize and
+fuse timings, the fuse stage's counts and refusals (recorded by :func:`qwen_npu_compile.emit.record`),
+the npu ops of the AOT / GE graphs (hand off). Writing it to disk (``report.json`` per graph, the dump
+folder's ``summary.json``) is :mod:`qwen_npu_compile.dump`'s job.
+
+``report.json`` is :meth:`GraphReport.as_dict`: the attributes below, ``refused`` as
+``[{"family", "reason", "source", "node"}]``. Field ``variants`` (added in issue 13):
+``{variant name: replacements applied}`` for the variants that matched, e.g.
+``{"rms_norm_half": 5, "swiglu_linear_silu_left": 2}``; per family they add up to ``fusions``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import platform
 import threading
 from collections import Counter
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,10 +45,11 @@ class GraphReport:
         downstream: the backend the rewritten graph went to.
         families: the enabled families.
         fusions: per family, the number of subgraphs replaced by a fused op.
+        variants: per pattern variant name, the replacements it applied (matched variants only).
         already_fused: per family, fused ops the captured graph already held (monkey-patched models).
         anchors: per family, anchor ops seen before fusion (an upper bound of what could fuse).
         refused: every refusal and near miss, with reason and model source line.
-        seconds: wall time per step (``canonicalize``, ``fuse``), seconds.
+        seconds: wall time per stage (``canonicalize``, ``fuse``), seconds.
         aot_ops: npu op counts in the AOT ``forward`` and ``backward`` graphs (aot_eager downstream).
         fallback: why the graph was compiled unfused (it could not be retraced faithfully), or None.
         ge: torchair's FX→GE conversion of this graph when the downstream is torchair off-NPU (torch_npu
@@ -57,6 +61,7 @@ class GraphReport:
     downstream: str
     families: list[str]
     fusions: dict[str, int] = dataclasses.field(default_factory=dict)
+    variants: dict[str, int] = dataclasses.field(default_factory=dict)
     already_fused: dict[str, int] = dataclasses.field(default_factory=dict)
     anchors: dict[str, int] = dataclasses.field(default_factory=dict)
     refused: list[Refusal] = dataclasses.field(default_factory=list)
@@ -128,7 +133,8 @@ def _offline_torchair_version() -> str | None:
 
 
 class Summary:
-    """Process-wide accumulation of graph reports, written to ``<dump_dir>/summary.json``."""
+    """Process-wide list of the reports of every graph ``qwen_npu`` compiled (each dump folder's
+    ``summary.json`` lists only its own graphs: :mod:`qwen_npu_compile.dump`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -146,28 +152,6 @@ class Summary:
         with self._lock:
             self.graphs.clear()
 
-    def totals(self) -> dict[str, int]:
-        totals: Counter[str] = Counter()
-        for report in self.graphs:
-            totals.update(report.fusions)
-        return dict(totals)
-
-    def as_dict(self) -> dict:
-        with self._lock:
-            graphs = list(self.graphs)
-        return {
-            "simulated": any(report.simulated for report in graphs),
-            "versions": versions(),
-            "graphs": [report.as_dict() for report in graphs],
-            "totals": self.totals(),
-        }
-
-    def write(self, dump_dir: Path) -> Path:
-        dump_dir.mkdir(parents=True, exist_ok=True)
-        path = dump_dir / "summary.json"
-        path.write_text(json.dumps(self.as_dict(), indent=2, default=str))
-        return path
-
 
 #: Every graph compiled by ``qwen_npu`` in this process.
 SUMMARY = Summary()
@@ -178,16 +162,8 @@ def get_reports() -> list[GraphReport]:
     return list(SUMMARY.graphs)
 
 
-def write_graph_dump(folder: Path, name: str, gm_or_code) -> None:
-    """Write one graph as readable Python code to ``folder/name.py``."""
-    folder.mkdir(parents=True, exist_ok=True)
-    code = gm_or_code if isinstance(gm_or_code, str) else gm_or_code.print_readable(print_output=False)
-    (folder / f"{name}.py").write_text(code)
-
-
-def write_report(report: GraphReport, dump_dir: Path) -> None:
-    """Write ``report.json`` of one graph and refresh ``summary.json``."""
-    folder = dump_dir / report.name
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "report.json").write_text(json.dumps(report.as_dict(), indent=2, default=str))
-    SUMMARY.write(dump_dir)
+def new_graph_name() -> str:
+    """A name unique in the process for the graph being compiled: ``g<index>_<Dynamo compile id>``
+    (``g000_0_0``), ``eager`` in place of the id outside a Dynamo compile."""
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    return f"g{SUMMARY.next_index():03d}_{str(compile_id).replace('/', '_') if compile_id is not None else 'eager'}"

@@ -14,26 +14,15 @@ import time
 import torch
 
 from ..config import ALL_FAMILIES, QwenNpuConfig
+from .. import patterns
+from ..patterns import expected_fusions  # noqa: F401  (the harness's public name)
 from . import models, parity
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-#: Backward op that must reach the AOT backward graph once per fusion of the family (train mode).
-BACKWARD_OPS = {
-    "rms_norm": "npu_rms_norm_backward",
-    "swiglu": "npu_swiglu_backward",
-    "rotary": "npu_rotary_mul_backward",
-    "attention": "npu_fusion_attention_grad",
-}
-
-def expected_fusions(num_layers: int, families, rms_norms_per_layer: int = 2) -> dict[str, int]:
-    """Fusions a Qwen2 model of ``num_layers`` decoder layers must give, per enabled family.
-
-    RMSNorm: 2 per layer (``rms_norms_per_layer``: 4 for Qwen3's q_norm/k_norm) + the final norm;
-    SwiGLU: 1 per layer; rotary: q and k per layer; attention: 1 per layer.
-    """
-    per_family = {"rms_norm": rms_norms_per_layer * num_layers + 1, "swiglu": num_layers, "rotary": 2 * num_layers, "attention": num_layers}
-    return {family: per_family[family] for family in ALL_FAMILIES if family in families}
+#: Backward op that must reach the AOT backward graph once per fusion of the family (train mode);
+#: declared by each family (``FusionFamily.backward_op_name``).
+BACKWARD_OPS = patterns.backward_ops()
 
 
 class Stages:
@@ -218,7 +207,7 @@ def run_check(args: argparse.Namespace) -> dict:
     reports = get_reports()[first_report:]
     fused = {family: sum(r.fusions.get(family, 0) for r in reports) for family in ALL_FAMILIES if family in fusions}
     already = {family: sum(r.already_fused.get(family, 0) for r in reports) for family in fused}
-    expected = expected_fusions(layers, fusions, models.rms_norms_per_layer(config))
+    expected = expected_fusions(model.config, fusions)  # model.config has the --layers built
     backward_ops: dict[str, int] = {}
     for report in reports:
         for op, count in report.aot_ops.get("backward", {}).items():

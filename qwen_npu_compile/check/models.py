@@ -38,14 +38,13 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 log = logging.getLogger(__name__)
 
-#: model_type -> (transformers config class, causal-LM class, RMSNorms per decoder layer, q/k/v bias).
-#: Qwen3 adds q_norm and k_norm (RMSNorm over head_dim) to the two of Qwen2 (transformers
-#: models/qwen3/modeling_qwen3.py ``Qwen3Attention``); Llama and Mistral have no q/k/v bias.
-FAMILIES: dict[str, tuple[str, str, int, bool]] = {
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", 2, True),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", 4, False),
-    "llama": ("LlamaConfig", "LlamaForCausalLM", 2, False),
-    "mistral": ("MistralConfig", "MistralForCausalLM", 2, False),
+#: model_type -> (transformers config class, causal-LM class, q/k/v bias). Llama and Mistral have no
+#: q/k/v bias. (RMSNorms per layer: :func:`rms_norms_per_layer`, from the rms_norm fusion family.)
+FAMILIES: dict[str, tuple[str, str, bool]] = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", True),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", False),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", False),
+    "mistral": ("MistralConfig", "MistralForCausalLM", False),
 }
 
 #: The ``model_type`` values of a local ``config.json`` this module builds.
@@ -300,14 +299,17 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _family(config: Any) -> tuple[str, str, int, bool]:
+def _family(config: Any) -> tuple[str, str, bool]:
     """The :data:`FAMILIES` row of ``config`` (Qwen2's for an unknown model_type)."""
     return FAMILIES.get(getattr(config, "model_type", "qwen2"), FAMILIES["qwen2"])
 
 
 def rms_norms_per_layer(config: Any) -> int:
-    """RMSNorms per decoder layer of ``config``'s family: 2, or 4 for Qwen3 (q_norm and k_norm)."""
-    return _family(config)[2]
+    """RMSNorms per decoder layer of ``config``'s family: 2, or 4 for Qwen3 (q_norm and k_norm); as the
+    rms_norm fusion family declares it (``RmsNormFamily.expected_per_layer``)."""
+    from ..patterns.rms_norm import RmsNormFamily
+
+    return RmsNormFamily.expected_per_layer(config)
 
 
 def _config_class(model_type: str):
@@ -604,7 +606,8 @@ def estimate_num_parameters(config: Any, *, layers: int | None = None) -> int:
     head_dim = getattr(config, "head_dim", None) or h // heads
     q = heads * head_dim
     kv = kv_heads * head_dim
-    _, _, norms, bias = _family(config)
+    _, _, bias = _family(config)
+    norms = rms_norms_per_layer(config)
     per_layer = (h * q) + 2 * (h * kv) + q * h + 3 * h * inter + 2 * h
     if bias:  # Qwen2's q/k/v projections have a bias
         per_layer += q + 2 * kv

@@ -36,7 +36,7 @@ def print_table(result: dict) -> None:
     if result["backward_ops"]:
         print("  AOT backward graph: " + ", ".join(f"{op} {n}" for op, n in result["backward_ops"].items()))
     secs = result["seconds"]
-    print(f"  compile + first run {secs['first_compiled_run']:.1f}s (qwen_npu canonicalise "
+    print(f"  compile + first run {secs['first_compiled_run']:.1f}s (qwen_npu canonicalize "
           f"{secs['qwen_npu_canonicalize']:.2f}s, fuse {secs['qwen_npu_fuse']:.2f}s); steady run {secs['steady_compiled_run']:.2f}s")
     for refusal in result["refused"][:10]:
         print(f"  refused {refusal['family']} at {refusal['source']}: {refusal['reason']}")

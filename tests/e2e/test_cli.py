@@ -73,7 +73,7 @@ def test_bad_arguments_exit_2():
 
 
 def test_expected_counts_follow_the_config():
-    assert harness.expected_fusions(24, {"rms_norm", "swiglu", "rotary", "attention"}) == {
+    assert harness.expected_fusions(models.resolve_model_config("qwen2.5-0.5b"), {"rms_norm", "swiglu", "rotary", "attention"}) == {
         "rms_norm": 49, "swiglu": 24, "rotary": 48, "attention": 24}
 
 

@@ -1,4 +1,4 @@
-"""Dump folders, report.json and the process-wide summary.json; the per-graph log line."""
+"""Dump folders, report.json and each dump folder's summary.json; the per-graph log line."""
 
 import json
 import logging
@@ -29,6 +29,7 @@ def test_dump_dir_layout_and_summary(npu_ops, tmp_path, caplog):
     assert summary["simulated"] is True
     assert summary["versions"]["torch"] == torch.__version__
     assert summary["totals"] == {"rms_norm": 5, "swiglu": 2}
+    assert summary["variants"] == {"rms_norm_half": 5, "swiglu_linear_silu_left": 2}
     (graph,) = summary["graphs"]
     assert graph["name"] == folder.name
     assert graph["fusions"] == {"rms_norm": 5, "swiglu": 2}
@@ -53,3 +54,25 @@ def test_summary_accumulates_over_graphs(npu_ops, tmp_path, monkeypatch):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [g["fusions"]["rms_norm"] for g in summary["graphs"]] == [1, 1]
     assert summary["totals"]["rms_norm"] == 2
+
+
+def test_each_dump_folder_summarises_only_its_own_graphs(npu_ops, tmp_path):
+    """Two models compiled in one process with two dump dirs: each summary.json holds its own graph only."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    first, second = Qwen2RMSNorm(16), Qwen2RMSNorm(32)
+    torch.compile(first, backend="qwen_npu", options={"dump_dir": str(tmp_path / "a")})(torch.randn(2, 16))
+    torch.compile(second, backend="qwen_npu", options={"dump_dir": str(tmp_path / "b"), "fusions": "swiglu"})(
+        torch.randn(2, 32)
+    )
+    a = json.loads((tmp_path / "a" / "summary.json").read_text())
+    b = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert [g["fusions"] for g in a["graphs"]] == [{"rms_norm": 1, "swiglu": 0, "rotary": 0, "attention": 0}]
+    assert a["totals"] == {"rms_norm": 1, "swiglu": 0, "rotary": 0, "attention": 0}
+    assert a["variants"] == {"rms_norm_fp32": 1}
+    assert [g["fusions"] for g in b["graphs"]] == [{"swiglu": 0}]
+    assert b["totals"] == {"swiglu": 0} and b["variants"] == {}
+    assert [r["reason"] for r in b["graphs"][0]["refused"]] == ["family 'rms_norm' is disabled (fusions=['swiglu'])"]
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [a["graphs"][0]["name"], "summary.json"]
+    report = json.loads((tmp_path / "a" / a["graphs"][0]["name"] / "report.json").read_text())
+    assert report["variants"] == {"rms_norm_fp32": 1}

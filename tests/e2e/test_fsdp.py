@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+import transformers
+
+from qwen_npu_compile.patterns import expected_fusions
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -20,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "fsdp_train.py"
 RANKS, LAYERS, STEPS = 2, 2, 3
 ATOL = 1e-5  # fp32: compiled and eager losses agree to ~1e-7
-FUSED_PER_LAYER = {"rms_norm": 2, "swiglu": 1}
+FUSED_PER_LAYER = expected_fusions(transformers.Qwen2Config(), ("rms_norm", "swiglu"), per_layer=True)
 
 
 @pytest.fixture(scope="module")

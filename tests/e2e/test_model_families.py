@@ -13,6 +13,7 @@ import transformers
 
 from conftest import assert_parity
 from qwen_npu_compile.check import models
+from qwen_npu_compile.patterns import expected_fusions
 
 LAYERS = 2
 TINY = dict(models.TINY_QWEN2, num_hidden_layers=LAYERS)
@@ -44,8 +45,7 @@ def test_family_fuses_with_parity(family, attn):
     model = _tiny(family, attn)
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
     reports = assert_parity(model, ids, True, torch.float32)
-    norms = models.FAMILIES[family][2]
-    assert _totals(reports) == {"rms_norm": norms * LAYERS + 1, "swiglu": LAYERS, "rotary": 2 * LAYERS, "attention": LAYERS}
+    assert _totals(reports) == expected_fusions(model.config)
     assert [r.reason for report in reports for r in report.refused] == []
 
 

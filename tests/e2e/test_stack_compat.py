@@ -30,22 +30,23 @@ import pytest
 import torch
 
 from conftest import assert_runs_match, eager_and_reference
-from qwen_npu_compile import canonicalize, compat, maybe_compile
+from qwen_npu_compile import ALL_FAMILIES, canonicalize, compat, maybe_compile
 from qwen_npu_compile.check.harness import run_model
-from qwen_npu_compile.check.models import tiny_qwen2
+from qwen_npu_compile.check.models import tiny_qwen2, tiny_qwen2_config
+from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.check.parity import relative_l2
 from qwen_npu_compile.report import SUMMARY
 from qwen_npu_compile.worker import ENV_COMPILE, layer_reports
 
 pytestmark = pytest.mark.stack_compat
 
-FAMILIES = ("rms_norm", "swiglu", "rotary", "attention")
+FAMILIES = ALL_FAMILIES
 LAYERS = 2
 SEQ, PAD = 16, 5  # PAD leading zeros in the attention mask of the second sequence
 #: One whole-model graph: RMSNorm 2 per layer + the final norm, SwiGLU 1, rotary 2 (q, k), attention 1 per layer.
-WHOLE_MODEL = {"rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS, "rotary": 2 * LAYERS, "attention": LAYERS}
+WHOLE_MODEL = expected_fusions(tiny_qwen2_config(num_hidden_layers=LAYERS))
 #: One decoder layer's graph (maybe_compile: the final norm is outside the layers and stays eager).
-PER_LAYER = {"rms_norm": 2, "swiglu": 1, "rotary": 2, "attention": 1}
+PER_LAYER = expected_fusions(tiny_qwen2_config(), per_layer=True)
 #: Per-layer eager attention receives the additive float mask as a graph input: its values cannot be
 #: proven to be 0 / finfo.min inside the layer's graph, so patterns/attention.py refuses it (exactly).
 PER_LAYER_EAGER_REFUSAL = "additive float mask comes from a graph input"

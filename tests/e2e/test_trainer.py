@@ -13,13 +13,14 @@ import torch
 
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (pip install accelerate)")
 
-from transformers import Trainer, TrainingArguments  # noqa: E402
+from transformers import Qwen2Config, Trainer, TrainingArguments  # noqa: E402
 
 from qwen_npu_compile.check.models import tiny_qwen2  # noqa: E402
 from qwen_npu_compile.hf_trainer import QwenNpuCompileCallback  # noqa: E402
+from qwen_npu_compile.patterns import expected_fusions  # noqa: E402
 from qwen_npu_compile.worker import ENV_COMPILE, layer_reports  # noqa: E402
 
-PER_LAYER = {"rms_norm": 2, "swiglu": 1, "rotary": 2, "attention": 1}  # one Qwen2 decoder layer graph
+PER_LAYER = expected_fusions(Qwen2Config(), per_layer=True)  # one Qwen2 decoder layer graph
 STEPS, BATCH, SEQ = 2, 4, 16
 #: transformers 5.2x renamed gradient_checkpointing (now a deprecated alias) to activation_checkpointing
 CHECKPOINTING = ("activation_checkpointing"

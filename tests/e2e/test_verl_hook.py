@@ -26,12 +26,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 import qwen_npu_compile.verl as hook
+from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.worker import ENV_COMPILE, layer_reports
 
 ROOT = Path(__file__).resolve().parents[2]
-PER_LAYER = {"rms_norm": 2, "swiglu": 1, "rotary": 2, "attention": 1}  # one Qwen2 decoder layer graph
+PER_LAYER = expected_fusions(transformers.Qwen2Config(), per_layer=True)  # one Qwen2 decoder layer graph
 VERL_INSTALLED = importlib.util.find_spec("verl") is not None
 
 

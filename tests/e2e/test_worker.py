@@ -18,10 +18,11 @@ from transformers.models.qwen2 import modeling_qwen2
 import qwen_npu_compile
 from qwen_npu_compile import ALL_FAMILIES, maybe_compile
 from qwen_npu_compile.check.models import tiny_qwen2_config
+from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.worker import ENV_COMPILE, CompiledLayers, clean_name, find_decoder_layers, layer_reports
 
 LAYERS = 2
-PER_LAYER = {"rms_norm": 2, "swiglu": 1, "rotary": 2, "attention": 1}  # one Qwen2 decoder layer
+PER_LAYER = expected_fusions(Qwen2Config(), per_layer=True)  # one Qwen2 decoder layer
 
 
 def tiny_config(**overrides) -> Qwen2Config:

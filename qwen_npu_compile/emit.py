@@ -1,0 +1,68 @@
+"""The *emit* stage: finish the rewritten graph and say what the fuse stage did.
+
+Pipeline: canonicalize (:mod:`~qwen_npu_compile.canonicalize`) → fuse (:mod:`~qwen_npu_compile.fuse`)
+→ **emit** → hand off (:mod:`~qwen_npu_compile.handoff`).
+
+The fused ops are already in the graph (the fuse stage's replacements emit
+``torch.ops.npu.<op>.default`` calls: the real torch_npu ops or the stand-ins of
+:mod:`qwen_npu_compile.npu_ops`). Emitting makes the graph a valid module again (:func:`finalize`),
+records the fuse result in the graph's report (:func:`record`), and turns tensor constants into
+trailing inputs for the downstream backend (:func:`lift_constants`, :func:`bind_trailing_inputs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.fx
+
+from . import canonicalize
+from .fuse import FuseResult
+from .report import GraphReport
+
+
+def finalize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Remove dead nodes, check the graph (``Graph.lint``) and regenerate ``gm``'s code; returns ``gm``.
+
+    Raises:
+        RuntimeError: the rewritten graph is malformed (``Graph.lint``: a use before its definition, a
+            dangling node); a bug of a pattern's replacement.
+    """
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def record(report: GraphReport, result: FuseResult) -> None:
+    """Copy the fuse stage's counts, refusals and time into ``report``."""
+    report.fusions.update(result.fusions)
+    report.variants.update(result.variants)
+    report.anchors.update(result.anchors)
+    report.already_fused.update(result.already_fused)
+    report.refused = list(result.refusals)
+    report.seconds["fuse"] = result.seconds
+
+
+def lift_constants(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
+    """Turn ``gm``'s tensor constants into trailing placeholders (torchair and AOTAutograd want inputs);
+    returns them, in placeholder order, to be passed after the caller's inputs
+    (:func:`qwen_npu_compile.canonicalize.lift_tensor_constants`)."""
+    return canonicalize.lift_tensor_constants(gm)
+
+
+def bind_trailing_inputs(compiled: Callable, extra: list[torch.Tensor]) -> Callable:
+    """Wrap ``compiled`` so that ``extra`` is passed after the caller's inputs (``compiled`` itself when
+    ``extra`` is empty).
+
+    Dynamo calls a backend's result as ``fn(*args)``. (``_boxed_call`` is not a reliable signal here:
+    ``functools.wraps`` copies it onto AOTAutograd's unboxed ``forward``.)
+    """
+    if not extra:
+        return compiled
+
+    def run(*args):
+        return compiled(*args, *extra)
+
+    return run

@@ -1,0 +1,128 @@
+"""The *fuse* stage: run the enabled families' pattern passes over a canonical ATen graph.
+
+Pipeline: canonicalize (:mod:`~qwen_npu_compile.canonicalize`) → **fuse** → emit
+(:mod:`~qwen_npu_compile.emit`) → hand off (:mod:`~qwen_npu_compile.handoff`).
+
+:class:`FusionPasses` is the pass manager (in the style of vLLM's ``PostGradPassManager`` configured by
+its ``PassConfig``): built from a :class:`~qwen_npu_compile.config.QwenNpuConfig` in one place
+(:meth:`FusionPasses.from_config`), it runs one :class:`~qwen_npu_compile.fusion.FamilyPass` per
+enabled family in registry order (``qwen_npu_compile.patterns.FAMILIES``) and says, for every disabled
+family, where its anchor ops show that it could have fused. :func:`fuse` is the public entry point
+(the backend and ``benchmarks/traffic.py`` call it)::
+
+    result = fuse(aten_gm, QwenNpuConfig.from_options({"fusions": "all"}),
+                  target=CompileTarget(downstream="aot_eager", simulated=True))
+    result.fusions   # {"rms_norm": 5, "swiglu": 2, "rotary": 4, "attention": 2}
+    result.variants  # {"rms_norm_half": 5, "swiglu_linear_silu_left": 2, ...}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+
+import torch.fx
+
+from .config import ALL_FAMILIES, QwenNpuConfig
+from .fusion import CompileTarget, Refusal, RefusalRecorder, counting_matches, targeting
+
+
+@dataclasses.dataclass
+class FuseResult:
+    """What :func:`fuse` did to one graph.
+
+    Attributes:
+        families: the enabled families, in pass order.
+        fusions: per enabled family, the subgraphs replaced by a fused op.
+        variants: per variant name, the replacements it applied (only variants that matched).
+        anchors: per enabled family, its anchor ops in the graph before its pass ran.
+        already_fused: per enabled family, fused ops the graph held before its pass ran.
+        refusals: every refusal and near miss still in the graph (enabled families), and every anchor of
+            a disabled family (reason ``family '<name>' is disabled``).
+        seconds: wall time of the stage (registration of newly needed variants included).
+    """
+
+    families: list[str]
+    fusions: dict[str, int] = dataclasses.field(default_factory=dict)
+    variants: dict[str, int] = dataclasses.field(default_factory=dict)
+    anchors: dict[str, int] = dataclasses.field(default_factory=dict)
+    already_fused: dict[str, int] = dataclasses.field(default_factory=dict)
+    refusals: list[Refusal] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionPasses:
+    """The ordered fusion passes of one configuration.
+
+    Attributes:
+        enabled: families whose pass runs, in pass order.
+        disabled: the other known families (their anchors are reported as refusals, nothing else).
+    """
+
+    enabled: tuple[str, ...]
+    disabled: tuple[str, ...]
+
+    @classmethod
+    def from_config(cls, config: QwenNpuConfig) -> FusionPasses:
+        """The passes ``config.fusions`` enables, in the registry's pass order."""
+        return cls(
+            enabled=tuple(family for family in ALL_FAMILIES if family in config.fusions),
+            disabled=tuple(family for family in ALL_FAMILIES if family not in config.fusions),
+        )
+
+    def describe(self) -> list[str]:
+        """One line per pass, in order (for logs and bug reports): ``"rms_norm: RmsNormPass, 2 variants"``."""
+        from .patterns import get_family_pass
+
+        lines = []
+        for family in self.enabled:
+            family_pass = get_family_pass(family)
+            lines.append(f"{family}: {type(family_pass).__name__}, {len(family_pass.declared_variants)} variants")
+        return lines + [f"{family}: disabled" for family in self.disabled]
+
+    def run(self, gm: torch.fx.GraphModule, *, target: CompileTarget) -> FuseResult:
+        """Fuse ``gm`` in place (see :func:`fuse`)."""
+        from .patterns import get_family_pass
+
+        start = time.perf_counter()
+        result = FuseResult(families=list(self.enabled))
+        recorder = RefusalRecorder()
+        matched: Counter[str] = Counter()
+        with targeting(target), counting_matches(matched):
+            for family in self.enabled:
+                family_pass = get_family_pass(family)
+                result.already_fused[family] = family_pass.count_fused(gm.graph)
+                result.anchors[family] = family_pass.count_anchors(gm.graph)
+                result.fusions[family] = family_pass.apply(gm, recorder)
+        for family in self.disabled:
+            # a disabled family is not matched; say so wherever its anchor op shows it could have been
+            for anchor in get_family_pass(family).anchor_nodes(gm.graph):
+                recorder.refuse(family, anchor, f"family {family!r} is disabled (fusions={sorted(self.enabled)})")
+        # Nodes a replacement left without users go now, so that only anchors still computed are reported.
+        gm.graph.eliminate_dead_code()
+        result.refusals = recorder.live(gm.graph)
+        result.variants = dict(matched)
+        result.seconds = time.perf_counter() - start
+        return result
+
+
+def fuse(aten_gm: torch.fx.GraphModule, config: QwenNpuConfig, *, target: CompileTarget) -> FuseResult:
+    """Run the fusion passes ``config`` enables over ``aten_gm``, in place.
+
+    Args:
+        aten_gm: a canonical pre-dispatch ATen graph (:func:`qwen_npu_compile.canonicalize.to_aten_graph`)
+            whose nodes carry ``meta["val"]`` (FakeTensors): the checks read shapes and dtypes from them.
+        config: the backend settings; only ``fusions`` is read.
+        target: what the rewritten graph will run on; the checks whose answer depends on it read it
+            (:func:`qwen_npu_compile.fusion.current_target`).
+
+    Returns:
+        The :class:`FuseResult`. The graph is rewritten but not recompiled: finish it with
+        :func:`qwen_npu_compile.emit.finalize`.
+
+    Raises:
+        ValueError: a family declares two variants with one name (a bug in ``patterns/``).
+    """
+    return FusionPasses.from_config(config).run(aten_gm, target=target)

@@ -150,22 +150,24 @@ def rewrite(gm, example_inputs, config: QwenNpuConfig, status: NpuOpsStatus, dow
 
     recorder = RefusalRecorder()
     start = time.perf_counter()
+    graphs = canonicalize.fusion_graphs(aten_gm)  # the graph and its checkpointed regions' bodies
     with targeting(CompileTarget(downstream, status.simulated)):
         for family in families:
             family_pass = get_family_pass(family)
-            report.already_fused[family] = family_pass.count_fused(aten_gm.graph)
-            report.anchors[family] = family_pass.count_anchors(aten_gm.graph)
-            report.fusions[family] = family_pass.apply(aten_gm, recorder)
+            report.already_fused[family] = sum(family_pass.count_fused(g.graph) for g in graphs)
+            report.anchors[family] = sum(family_pass.count_anchors(g.graph) for g in graphs)
+            report.fusions[family] = sum(family_pass.apply(g, recorder) for g in graphs)
     for family in ALL_FAMILIES:
         if family not in config.fusions:
             # a disabled family is not matched; say so wherever its anchor op shows it could have been
-            for anchor in get_family_pass(family).anchor_nodes(aten_gm.graph):
+            for anchor in (a for g in graphs for a in get_family_pass(family).anchor_nodes(g.graph)):
                 recorder.refuse(family, anchor, f"family {family!r} is disabled (fusions={sorted(config.fusions)})")
-    aten_gm.graph.eliminate_dead_code()
-    aten_gm.graph.lint()
-    aten_gm.recompile()
+    for graph_module in reversed(graphs):  # bodies first: their outputs' users live in the caller
+        graph_module.graph.eliminate_dead_code()
+        graph_module.graph.lint()
+        graph_module.recompile()
     report.seconds["fuse"] = time.perf_counter() - start
-    report.refused = recorder.live(aten_gm.graph)
+    report.refused = recorder.live([g.graph for g in graphs])
     if folder is not None:
         write_graph_dump(folder, "rewritten", aten_gm)
     return report, aten_gm

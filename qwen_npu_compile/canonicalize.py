@@ -75,14 +75,30 @@ def to_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) ->
     fake_mode = _fake_mode_for(example_inputs)
     fake_args = _fake_inputs(example_inputs, fake_mode)
     regions = [expand_vmap_region(gm, region) for region in find_vmap_regions(gm.graph)]
+    bodies = canonical_checkpoint_bodies(gm)
 
     def run(*args):
-        return _Retracer(gm, regions).run(*args)
+        return _Retracer(gm, regions, bodies).run(*args)
 
     # Saved-tensor hooks of an enclosing non-reentrant checkpoint / activation offload must not see
     # the retrace's fake saves (AOTAutograd guards its own tracing the same way).
-    with torch.fx.traceback.preserve_node_meta(), fake_mode, compat.saved_tensors_hooks_disabled():
+    with (
+        torch.fx.traceback.preserve_node_meta(), fake_mode, compat.saved_tensors_hooks_disabled(),
+        compat.checkpoint_bodies_retraceable(list(bodies.values())),
+    ):
         aten_gm = _traced("the pre-dispatch retrace", lambda: make_fx(run, pre_dispatch=True)(*fake_args))
+    compat.strip_default_context_fn(aten_gm)
+    if len(checkpoint_bodies(aten_gm)) != len(bodies):
+        # torch 2.7's pre-dispatch tracer inlines the regions: fused, the backward would save every
+        # activation the user asked to recompute. Keeping their memory plan beats fusing.
+        raise CanonicalizationError(
+            f"the pre-dispatch retrace inlined {len(bodies)} activation-checkpointed region(s) (torch "
+            f"{torch.__version__}); compiling unfused keeps them recomputed. qwen_npu_compile.maybe_compile "
+            "(per-layer compile) fuses inside checkpointed layers on this torch"
+        )
+    for body in checkpoint_bodies(aten_gm):  # torch 2.10+ retraced them once more inside the HOP's rule
+        remove_noop_slices(body.graph)
+        normalize(body)
     fake_constants = sorted(
         {node.target for node in aten_gm.graph.find_nodes(op="get_attr")
          if isinstance(getattr(aten_gm, node.target, None), torch._subclasses.FakeTensor)}
@@ -252,10 +268,14 @@ def expand_vmap_region(gm: torch.fx.GraphModule, region: VmapRegion) -> VmapRegi
 
 
 class _Retracer(torch.fx.Interpreter):
-    """Runs the Dynamo graph for make_fx, with each vmap region replaced by its plain-ATen expansion."""
+    """Runs the Dynamo graph for make_fx, with each vmap region replaced by its plain-ATen expansion
+    and each checkpointed region's body by its canonical graph (``bodies``: attribute name -> graph)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, regions: Sequence[VmapRegion]):
+    def __init__(
+        self, gm: torch.fx.GraphModule, regions: Sequence[VmapRegion], bodies: dict[str, torch.fx.GraphModule]
+    ):
         super().__init__(gm)
+        self._bodies = bodies
         self._starts = {region.nodes[0]: region for region in regions}
         self._inside = {node for region in regions for node in region.nodes}
         self._results: dict[torch.fx.Node, object] = {}
@@ -270,6 +290,65 @@ class _Retracer(torch.fx.Interpreter):
         if _calls(n, compat.VMAP_LAZY_LOAD) and not n.users:
             return None  # loads functorch's batching decompositions: the expansion no longer needs them
         return super().run_node(n)
+
+    def fetch_attr(self, target: str):
+        body = self._bodies.get(target)
+        return body if body is not None else super().fetch_attr(target)
+
+
+# --------------------------------------------------------------------------------------------------
+# Activation-checkpointed regions
+#
+# Non-reentrant ``torch.utils.checkpoint`` (transformers' gradient_checkpointing_enable, HF Trainer's
+# gradient_checkpointing=True) reaches the backend as one call per region,
+# ``tag_activation_checkpoint(wrap_body_N, *inputs, use_reentrant=False)``, whose body is a Dynamo
+# GraphModule attribute. The pre-dispatch retrace keeps that call (AOTAutograd later decides what the
+# backward recomputes from it), so each body is canonicalized on its own first, from the example
+# values Dynamo recorded on the call's inputs, and the retrace runs the canonical body in its place
+# (torch 2.7-2.9 keep the body they are given; torch 2.10+ retrace it once more, which leaves a
+# canonical graph canonical). The fusion passes then run on the top-level graph and on every body
+# (:func:`fusion_graphs`): the recomputation in the backward runs the same fused ops.
+
+
+def _checkpoint_calls(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    return list(graph.find_nodes(op="call_function", target=compat.CHECKPOINT_HOP))
+
+
+def checkpoint_bodies(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
+    """The body GraphModules of ``gm``'s ``tag_activation_checkpoint`` calls, in graph order, each once."""
+    seen: dict[str, torch.fx.GraphModule] = {}
+    for call in _checkpoint_calls(gm.graph):
+        seen.setdefault(call.args[0].target, getattr(gm, call.args[0].target))
+    return list(seen.values())
+
+
+def canonical_checkpoint_bodies(gm: torch.fx.GraphModule) -> dict[str, torch.fx.GraphModule]:
+    """Canonicalize the body of every checkpointed region of the Dynamo graph ``gm``.
+
+    Returns:
+        Attribute name (``wrap_body_0``) -> the body's canonical ATen graph (same placeholders).
+
+    Raises:
+        CanonicalizationError: a body cannot be retraced (its error names the region).
+    """
+    bodies: dict[str, torch.fx.GraphModule] = {}
+    for call in _checkpoint_calls(gm.graph):
+        name = call.args[0].target
+        if name in bodies:
+            continue
+        inputs = [_example_value(arg) if isinstance(arg, torch.fx.Node) else arg for arg in call.args[1:]]
+        if any(value is None for value in inputs):
+            raise CanonicalizationError(f"checkpointed region {name}: an input has no example value to retrace it with")
+        try:
+            bodies[name] = to_aten_graph(getattr(gm, name), inputs)
+        except CanonicalizationError as exc:
+            raise CanonicalizationError(f"checkpointed region {name}: {exc}") from exc
+    return bodies
+
+
+def fusion_graphs(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
+    """``gm`` and, depth first, the body of every checkpointed region it calls: the graphs to fuse."""
+    return [gm, *(graph for body in checkpoint_bodies(gm) for graph in fusion_graphs(body))]
 
 
 def lift_tensor_constants(gm: torch.fx.GraphModule) -> list[torch.Tensor]:

@@ -25,6 +25,11 @@ What differs, and how it is absorbed:
   ``definitely_true``: :data:`guard_or_false`.
 * ``torch._dynamo.disable`` around a compiled graph unwraps ``_torchdynamo_orig_callable`` in torch
   2.7-2.10, so a wrapper must not carry that marker over from what it wraps: :func:`wraps_compiled`.
+* The pre-dispatch tracing rule of ``torch.ops.higher_order.tag_activation_checkpoint`` (the HOP Dynamo
+  records for a non-reentrant ``torch.utils.checkpoint`` region) reads ``body.meta["_checkpoint_context_fn"]``
+  unconditionally in torch 2.10-2.13 (a KeyError for a plain checkpoint, which Dynamo records without
+  it); torch 2.7-2.9 do not retrace the body at all. :func:`checkpoint_bodies_retraceable` gives such
+  bodies torch's own default policy (recompute everything) for the duration of a retrace.
 * AOTAutograd's ``default_partition`` asserts on 2.9.0 on the scalar-tensorification nodes that lack
   ``tensor_meta`` (dynamic shapes, training); 2.13.0 accepts them: :func:`default_partition`.
 """
@@ -34,10 +39,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
+import torch.fx
+import torch.utils.checkpoint
 
 if TYPE_CHECKING:  # Inductor's pattern matcher is imported when first used (npu_ops import this module)
     from torch._inductor import pattern_matcher as pm
@@ -46,12 +54,15 @@ __all__ = [
     "VMAP_ENTER",
     "VMAP_EXIT",
     "VMAP_LAZY_LOAD",
+    "CHECKPOINT_HOP",
+    "checkpoint_bodies_retraceable",
     "default_partition",
     "functorch_depth",
     "functorch_levels_restored",
     "guard_or_false",
     "register_replacement",
     "saved_tensors_hooks_disabled",
+    "strip_default_context_fn",
     "wraps_compiled",
 ]
 
@@ -174,6 +185,70 @@ def saved_tensors_hooks_disabled() -> contextlib.AbstractContextManager:
     """
     disable = getattr(torch._dynamo.utils, "_disable_saved_tensors_hooks_during_tracing", None)
     return disable() if disable is not None else contextlib.nullcontext()
+
+
+#: The higher-order op Dynamo records for a non-reentrant ``torch.utils.checkpoint`` region (every
+#: supported torch version): ``tag_activation_checkpoint(body_graph_module, *inputs, **checkpoint_kwargs)``.
+CHECKPOINT_HOP = torch.ops.higher_order.tag_activation_checkpoint
+
+_CONTEXT_FN_KEY = "_checkpoint_context_fn"
+
+
+def _recompute_everything(ctx, op, *args, **kwargs):
+    return torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+#: torch 2.13's own policy for a plain checkpoint region (``torch._higher_order_ops.wrap``'s
+#: ``_always_prefer_recompute``): every op of the region is recomputed in the backward.
+_DEFAULT_CONTEXT_FN = functools.partial(
+    torch.utils.checkpoint.create_selective_checkpoint_contexts, _recompute_everything
+)
+
+
+@contextlib.contextmanager
+def checkpoint_bodies_retraceable(bodies: Sequence[torch.fx.GraphModule]) -> Iterator[None]:
+    """Let a pre-dispatch ``make_fx`` trace ``tag_activation_checkpoint`` calls of ``bodies``.
+
+    torch 2.10-2.13's tracing rule (``torch/_higher_order_ops/wrap.py::proxy_mode_key``) copies
+    ``body.meta["_checkpoint_context_fn"]`` onto the retraced body and raises ``KeyError`` when Dynamo
+    recorded none (a plain ``checkpoint(..., use_reentrant=False)``, what transformers' gradient
+    checkpointing does). For the trace, each body without one gets :data:`_DEFAULT_CONTEXT_FN` (the
+    policy torch applies to such regions anyway); afterwards :func:`strip_default_context_fn` removes
+    it from the traced graph's bodies, so that AOTAutograd later takes the same path as for Dynamo's
+    own graph. The given bodies get their meta back on exit.
+    """
+    added = [body for body in bodies if _CONTEXT_FN_KEY not in body.meta]
+    for body in added:
+        body.meta[_CONTEXT_FN_KEY] = _DEFAULT_CONTEXT_FN
+    # torch warns that "context_fn is passed to torch.utils.checkpoint": not by the user, by us, with
+    # the policy torch uses without one; keep that out of the user's log.
+    wrap_log = logging.getLogger("torch._higher_order_ops.wrap")
+    quiet = _DropMessage("Detected that context_fn is passed") if added else None
+    if quiet is not None:
+        wrap_log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        if quiet is not None:
+            wrap_log.removeFilter(quiet)
+        for body in added:
+            body.meta.pop(_CONTEXT_FN_KEY, None)
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def strip_default_context_fn(gm: torch.fx.GraphModule) -> None:
+    """Remove the policy :func:`checkpoint_bodies_retraceable` lent from every submodule of ``gm``."""
+    for module in gm.modules():
+        if isinstance(module, torch.fx.GraphModule) and module.meta.get(_CONTEXT_FN_KEY) is _DEFAULT_CONTEXT_FN:
+            del module.meta[_CONTEXT_FN_KEY]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -23,15 +23,17 @@ from .report import GraphReport
 
 
 def finalize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Remove dead nodes, check the graph (``Graph.lint``) and regenerate ``gm``'s code; returns ``gm``.
+    """Remove dead nodes, check the graph (``Graph.lint``) and regenerate ``gm``'s code, and the same for
+    the body of every activation-checkpointed region it calls; returns ``gm``.
 
     Raises:
         RuntimeError: the rewritten graph is malformed (``Graph.lint``: a use before its definition, a
             dangling node); a bug of a pattern's replacement.
     """
-    gm.graph.eliminate_dead_code()
-    gm.graph.lint()
-    gm.recompile()
+    for graph_module in reversed(canonicalize.fusion_graphs(gm)):  # checkpointed regions' bodies first
+        graph_module.graph.eliminate_dead_code()
+        graph_module.graph.lint()
+        graph_module.recompile()
     return gm
 
 

@@ -24,6 +24,7 @@ from collections import Counter
 
 import torch.fx
 
+from . import canonicalize
 from .config import ALL_FAMILIES, QwenNpuConfig
 from .fusion import CompileTarget, Refusal, RefusalRecorder, counting_matches, targeting
 
@@ -90,19 +91,21 @@ class FusionPasses:
         result = FuseResult(families=list(self.enabled))
         recorder = RefusalRecorder()
         matched: Counter[str] = Counter()
+        graphs = canonicalize.fusion_graphs(gm)  # gm and its activation-checkpointed regions' bodies
         with targeting(target), counting_matches(matched):
             for family in self.enabled:
                 family_pass = get_family_pass(family)
-                result.already_fused[family] = family_pass.count_fused(gm.graph)
-                result.anchors[family] = family_pass.count_anchors(gm.graph)
-                result.fusions[family] = family_pass.apply(gm, recorder)
+                result.already_fused[family] = sum(family_pass.count_fused(g.graph) for g in graphs)
+                result.anchors[family] = sum(family_pass.count_anchors(g.graph) for g in graphs)
+                result.fusions[family] = sum(family_pass.apply(g, recorder) for g in graphs)
         for family in self.disabled:
             # a disabled family is not matched; say so wherever its anchor op shows it could have been
-            for anchor in get_family_pass(family).anchor_nodes(gm.graph):
+            for anchor in (a for g in graphs for a in get_family_pass(family).anchor_nodes(g.graph)):
                 recorder.refuse(family, anchor, f"family {family!r} is disabled (fusions={sorted(self.enabled)})")
         # Nodes a replacement left without users go now, so that only anchors still computed are reported.
-        gm.graph.eliminate_dead_code()
-        result.refusals = recorder.live(gm.graph)
+        for graph_module in graphs:
+            graph_module.graph.eliminate_dead_code()
+        result.refusals = recorder.live([g.graph for g in graphs])
         result.variants = dict(matched)
         result.seconds = time.perf_counter() - start
         return result

@@ -159,21 +159,27 @@ class Refusal:
 
 
 class RefusalRecorder:
-    """Collects refusals of one compiled graph, keyed by anchor node so each is reported once."""
+    """Collects refusals of one compiled graph (and of the checkpointed-region bodies it calls), keyed
+    by anchor node so each is reported once."""
 
     def __init__(self) -> None:
-        self._by_anchor: dict[tuple[str, str], Refusal] = {}
+        self._by_anchor: dict[tuple[str, int, str], Refusal] = {}
+
+    @staticmethod
+    def _key(family: str, node: torch.fx.Node) -> tuple[str, int, str]:
+        return family, id(node.graph), node.name  # node names repeat across a graph and its region bodies
 
     def refuse(self, family: str, node: torch.fx.Node, reason: str) -> None:
-        self._by_anchor.setdefault((family, node.name), Refusal(family, reason, node_source(node), node.name))
+        self._by_anchor.setdefault(self._key(family, node), Refusal(family, reason, node_source(node), node.name))
 
     def has(self, family: str, node: torch.fx.Node) -> bool:
-        return (family, node.name) in self._by_anchor
+        return self._key(family, node) in self._by_anchor
 
-    def live(self, graph: torch.fx.Graph) -> list[Refusal]:
-        """Refusals whose anchor is still in ``graph`` (a later variant may have fused it after all)."""
-        alive = {node.name for node in graph.nodes}
-        return [refusal for refusal in self._by_anchor.values() if refusal.node in alive]
+    def live(self, graphs: torch.fx.Graph | Sequence[torch.fx.Graph]) -> list[Refusal]:
+        """Refusals whose anchor is still in ``graphs`` (a later variant may have fused it after all)."""
+        graphs = [graphs] if isinstance(graphs, torch.fx.Graph) else graphs
+        alive = {(id(graph), node.name) for graph in graphs for node in graph.nodes}
+        return [refusal for (_, graph, name), refusal in self._by_anchor.items() if (graph, name) in alive]
 
 
 _ACTIVE_RECORDER: contextvars.ContextVar[RefusalRecorder | None] = contextvars.ContextVar(

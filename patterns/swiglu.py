@@ -104,10 +104,6 @@ def _search_linear_left(x, w_gate, w_up):
     return F.silu(F.linear(x, w_gate)) * F.linear(x, w_up)
 
 
-def _search_linear_right(x, w_gate, w_up):
-    return F.linear(x, w_up) * F.silu(F.linear(x, w_gate))
-
-
 def _replace_linear(x, w_gate, w_up):
     # Traced with the match's FakeTensors, so the layout is chosen per graph from its shapes.
     if merge_weights(x, w_gate):
@@ -186,8 +182,6 @@ class SwiGluFamily(FusionFamily):
         # The linear forms come first (variants of one output op are tried in registration order).
         yield PatternVariant("swiglu_linear_silu_left", _search_linear_left, _replace_linear, _linear_examples,
                              _check_linear, why="Qwen2MLP with plain gate/up linears: layout chosen by shape")
-        yield PatternVariant("swiglu_linear_silu_right", _search_linear_right, _replace_linear, _linear_examples,
-                             _check_linear, why="the commuted product, plain gate/up linears")
         yield PatternVariant("swiglu_silu_left", _search_silu_left, _replace, _examples, _check,
                              why="Qwen2MLP: act_fn(gate_proj(x)) * up_proj(x)")
         yield PatternVariant("swiglu_silu_right", _search_silu_right, _replace, _examples, _check,

@@ -53,16 +53,7 @@ WIDE_HEADS = dict(TINY, head_dim=288)
 
 #: Variants no graph of the corpus reaches, with why they are kept. The test fails when one of them
 #: starts matching (then remove it here) and when a variant outside this list matches nothing.
-UNMATCHED: dict[str, str] = {
-    "swiglu_linear_silu_right": "no transformers model spells up_proj(x) * act(gate_proj(x)) with plain linears "
-    "(the commuted models, Phi3/GLM, split one gate_up_proj: swiglu_silu_right)",
-    "rotary_bnsd": "no transformers model applies rotary to a contiguous BNSD q/k (they transpose a BSND view)",
-    **{
-        f"sdpa_none_{kv}_dropout": "dropout without a mask and without is_causal: a training-mode decode step, but "
-        "transformers 5.24 builds an explicit mask then (the mask variants match it)"
-        for kv in ("repeat_kv", "repeat_kv_symbolic", "gqa", "mha")
-    },
-}
+UNMATCHED: dict[str, str] = {}  # none: swiglu_linear_silu_right and rotary_bnsd matched nothing and were removed
 
 
 @contextlib.contextmanager

@@ -211,22 +211,22 @@ def test_non_contiguous_bsnd_tensor_is_refused(npu_ops):
 
 
 def head_first_rotary(x, cos, sin):
-    """x already contiguous BNSD (not a transposed view): the ``rotary_bnsd`` variant."""
+    """x already contiguous BNSD (not a transposed view), which no transformers model computes."""
     return (x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1),)
 
 
-def test_contiguous_bnsd_input_fuses_with_backward(npu_ops):
+def test_contiguous_bnsd_input_is_a_near_miss(npu_ops):
+    """No variant for a contiguous BNSD x (none of the supported models has one; see
+    tests/patterns/test_every_variant.py): left unfused, reported as a near miss, results unchanged."""
     x = torch.randn(2, 4, 8, 64, requires_grad=True)
     cos, sin = cos_sin(2, 8, 64)
     (expected,), (got,) = head_first_rotary(x, cos, sin), torch.compile(
         head_first_rotary, backend="qwen_npu", options=ROTARY)(x, cos, sin)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
-    grad = torch.randn_like(expected)
-    torch.testing.assert_close(torch.autograd.grad(got, x, grad)[0], torch.autograd.grad(expected, x, grad)[0],
-                               atol=1e-6, rtol=1e-6)
     [report] = get_reports()
-    assert report.fusions == {"rotary": 1}
-    assert report.aot_ops == {"forward": {"npu_rotary_mul": 1}, "backward": {"npu_rotary_mul_backward": 1}}
+    assert report.fusions == {"rotary": 0}
+    refusals = rotary_refusals(report)
+    assert len(refusals) == 1 and refusals[0].reason.startswith("near miss:"), refusals
 
 
 def bsnd_rotary(x_bsnd, cos, sin):
@@ -245,14 +245,6 @@ def test_bn_over_1024_is_refused_only_when_cos_sin_need_grad(npu_ops, cos_needs_
         assert [r.reason for r in rotary_refusals(report)] == ["B*N=2048 > 1024 while r1/r2 need grad"]
     else:
         assert report.fusions == {"rotary": 1} and rotary_refusals(report) == []
-
-
-def test_contiguous_bnsd_input_at_decode_is_refused(npu_ops):
-    """B*N = 16 > 8*S = 8 with D=64 fp32 (256-byte rows): the BNSD kernel fails with 561002."""
-    report = compile_and_compare(head_first_rotary, torch.randn(4, 4, 1, 64), *cos_sin(1, 1, 64))
-    assert report.fusions == {"rotary": 0}
-    [refusal] = rotary_refusals(report)
-    assert "561002" in refusal.reason
 
 
 # -- check_rotary as a pure function (meta tensors) --------------------------------------------------

@@ -387,6 +387,18 @@ def lift_tensor_constants(gm: torch.fx.GraphModule) -> list[torch.Tensor]:
     return constants
 
 
+def _tensor_in_out(node: torch.fx.Node) -> tuple[torch.fx.Node | None, object, object]:
+    """``(source node, its FakeTensor, node's FakeTensor)`` of a unary tensor op, or ``(None, None, None)``
+    when the first argument is not a node or either value is not a tensor."""
+    source = node.args[0] if node.args else None
+    if not isinstance(source, torch.fx.Node):
+        return None, None, None
+    val_in, val_out = source.meta.get("val"), node.meta.get("val")
+    if not isinstance(val_in, torch.Tensor) or not isinstance(val_out, torch.Tensor):
+        return None, None, None
+    return source, val_in, val_out
+
+
 def remove_noop_casts(graph: torch.fx.Graph) -> int:
     """Erase ``aten.to`` nodes whose input already has the requested dtype.
 
@@ -399,11 +411,8 @@ def remove_noop_casts(graph: torch.fx.Graph) -> int:
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in _TO_OPS:
             continue
-        source = node.args[0] if node.args else None
-        if not isinstance(source, torch.fx.Node):
-            continue
-        val_in, val_out = source.meta.get("val"), node.meta.get("val")
-        if not isinstance(val_in, torch.Tensor) or not isinstance(val_out, torch.Tensor):
+        source, val_in, val_out = _tensor_in_out(node)
+        if source is None:
             continue
         if node.kwargs.get("copy") or (len(node.args) > 3 and node.args[3]):
             continue
@@ -440,11 +449,8 @@ def remove_noop_slices(graph: torch.fx.Graph) -> int:
     """
     removed = 0
     for node in list(graph.find_nodes(op="call_function", target=aten.slice.Tensor)):
-        source = node.args[0] if node.args else None
-        if not isinstance(source, torch.fx.Node):
-            continue
-        val_in, val_out = source.meta.get("val"), node.meta.get("val")
-        if not isinstance(val_in, torch.Tensor) or not isinstance(val_out, torch.Tensor):
+        source, val_in, val_out = _tensor_in_out(node)
+        if source is None:
             continue
         names = ("dim", "start", "end", "step")
         given = dict(zip(names, node.args[1:]), **node.kwargs)

@@ -209,7 +209,7 @@ class Spelling:
 #: static graphs and graph inputs under dynamic=True: scalar_workaround, never baked in.
 SPELLINGS: tuple[Spelling, ...] = (
     # Columns: impl, kv, mask, dropout, dtype, why (the setting that produces it: see the per-row test,
-    # tests/test_attention_variants.py, which compiles transformers' own attention function in it).
+    # tests/patterns/test_attention_variants.py, which compiles transformers' own attention function in it).
     #
     # --- SDPA (transformers integrations/sdpa_attention.py), GQA with K/V repeated -------------------
     # Whole-model compile builds an explicit bool mask for every forward without a KV cache (5.x: the

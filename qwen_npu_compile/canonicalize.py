@@ -15,8 +15,11 @@ tensor cast to fp32) are removed. The same normalisation runs on every traced pa
 static dimensions that torch 2.7 records and later versions do not (:func:`remove_noop_slices`).
 
 ``torch.vmap`` in the model (transformers 4.53-4.57 build every attention mask with it) is desugared
-region by region before the retrace, as AOTAutograd would (see :class:`VmapRegion`). Every way the
-retrace can fail raises :class:`CanonicalizationError`; the backend then compiles the graph unfused.
+region by region before the retrace, as AOTAutograd would (see :class:`VmapRegion`). The body of each
+activation-checkpointed region (``tag_activation_checkpoint``, non-reentrant ``torch.utils.checkpoint``)
+is canonicalized on its own and kept a region (:func:`canonical_checkpoint_bodies`,
+:func:`fusion_graphs`). Every way the retrace can fail raises :class:`CanonicalizationError`; the
+backend then compiles the graph unfused.
 """
 
 from __future__ import annotations

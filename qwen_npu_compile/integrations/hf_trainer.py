@@ -3,9 +3,7 @@
 ``TrainingArguments(torch_compile=True, torch_compile_backend="qwen_npu")`` does not work:
 ``Trainer.__init__`` hands the backend name to Accelerate's ``TorchDynamoPlugin``, whose
 ``__post_init__`` converts it to its ``DynamoBackend`` enum (accelerate/utils/dataclasses.py,
-accelerate 1.15.0) and raises ``ValueError: 'QWEN_NPU' is not a valid DynamoBackend``. Whole-model
-compile would also not combine with activation checkpointing (see the README's known limitations).
-Instead, add the callback::
+accelerate 1.15.0) and raises ``ValueError: 'QWEN_NPU' is not a valid DynamoBackend``. Instead, add the callback::
 
     trainer = Trainer(model=model, args=TrainingArguments(...), train_dataset=...,
                       callbacks=[QwenNpuCompileCallback()])      # QWEN_NPU_COMPILE=1 switches it on

@@ -13,7 +13,7 @@ retraced like every model graph (``canonicalize.to_aten_graph``). What the row's
   compile or cache prefill without padding); ``none`` = no mask with ``q_len == 1`` (decode).
 * ``dropout``: SDPA ``dropout=0.1`` (``config.attention_dropout``); eager ``module.training``.
 
-Whole-model graphs of the tiny Qwen2 (which rows they hit) are covered in ``test_attention_fusion.py``,
+Whole-model graphs of the tiny Qwen2 (which rows they hit) are covered in ``test_attention.py``,
 ``test_stack_compat.py`` and ``test_model_families.py``.
 """
 

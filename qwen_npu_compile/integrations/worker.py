@@ -18,9 +18,8 @@ inputs), so a model compiles one graph per input shape, not one per layer.
 Three situations are handled outside the compiled ``__call__`` of a layer:
 
 * **Activation (gradient) checkpointing** (``model.gradient_checkpointing_enable()``; verl's default):
-  Dynamo would trace the checkpoint as a ``tag_activation_checkpoint`` higher-order op around the
-  layer (the whole-model compile fuses inside such regions; here it would put the layer's FSDP hooks
-  inside the compiled graph). While checkpointing is active (layer in training mode, grad
+  the checkpoint stays outside the compiled function (a whole-model compile instead sees it as a
+  ``tag_activation_checkpoint`` region and fuses inside it). While checkpointing is active (layer in training mode, grad
   enabled) the layer's hooks (FSDP's included) and the checkpoint run eagerly and the function being
   checkpointed, the layer's ``forward``, runs compiled (the same fusions; recomputation reruns it).
 * **A KV cache** passed to the layer (``use_cache=True`` / generation): the cache's per-layer state

@@ -57,7 +57,11 @@ def _fake_inputs(example_inputs: Sequence[object], fake_mode) -> list[object]:
 
     (Placeholder ``example_value`` metas belong to another fake mode and cannot be mixed with them.)
     """
-    return [fake_mode.from_tensor(value) if isinstance(value, torch.Tensor) else value for value in example_inputs]
+    return [
+        value if isinstance(value, torch._subclasses.FakeTensor) and value.fake_mode is fake_mode
+        else fake_mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
+        for value in example_inputs
+    ]
 
 
 def to_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> torch.fx.GraphModule:
@@ -78,7 +82,7 @@ def to_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) ->
     fake_mode = _fake_mode_for(example_inputs)
     fake_args = _fake_inputs(example_inputs, fake_mode)
     regions = [expand_vmap_region(gm, region) for region in find_vmap_regions(gm.graph)]
-    bodies = canonical_checkpoint_bodies(gm)
+    bodies = canonical_checkpoint_bodies(gm, dict(zip(gm.graph.find_nodes(op="placeholder"), fake_args)))
 
     def run(*args):
         return _Retracer(gm, regions, bodies).run(*args)
@@ -325,8 +329,14 @@ def checkpoint_bodies(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
     return list(seen.values())
 
 
-def canonical_checkpoint_bodies(gm: torch.fx.GraphModule) -> dict[str, torch.fx.GraphModule]:
+def canonical_checkpoint_bodies(
+    gm: torch.fx.GraphModule, inputs_of: dict[torch.fx.Node, object]
+) -> dict[str, torch.fx.GraphModule]:
     """Canonicalize the body of every checkpointed region of the Dynamo graph ``gm``.
+
+    ``inputs_of`` maps ``gm``'s placeholders to the values the retrace runs on: a region input that is
+    a graph input gets that value (under ``dynamic=True`` a float such as RMSNorm's eps is a 0-d tensor
+    input whose ``.item()`` only that value can answer); any other input its recorded example value.
 
     Returns:
         Attribute name (``wrap_body_0``) -> the body's canonical ATen graph (same placeholders).
@@ -339,13 +349,19 @@ def canonical_checkpoint_bodies(gm: torch.fx.GraphModule) -> dict[str, torch.fx.
         name = call.args[0].target
         if name in bodies:
             continue
-        inputs = [_example_value(arg) if isinstance(arg, torch.fx.Node) else arg for arg in call.args[1:]]
+        inputs = [
+            (inputs_of[arg] if arg in inputs_of else _example_value(arg)) if isinstance(arg, torch.fx.Node) else arg
+            for arg in call.args[1:]
+        ]
         if any(value is None for value in inputs):
             raise CanonicalizationError(f"checkpointed region {name}: an input has no example value to retrace it with")
+        body = getattr(gm, name)
         try:
-            bodies[name] = to_aten_graph(getattr(gm, name), inputs)
+            bodies[name] = to_aten_graph(body, inputs)
         except CanonicalizationError as exc:
             raise CanonicalizationError(f"checkpointed region {name}: {exc}") from exc
+        # A user's selective-checkpointing policy (checkpoint(..., context_fn=...)) travels with the body.
+        bodies[name].meta.update({k: v for k, v in body.meta.items() if k == compat.CHECKPOINT_CONTEXT_FN})
     return bodies
 
 

@@ -54,6 +54,7 @@ __all__ = [
     "VMAP_ENTER",
     "VMAP_EXIT",
     "VMAP_LAZY_LOAD",
+    "CHECKPOINT_CONTEXT_FN",
     "CHECKPOINT_HOP",
     "checkpoint_bodies_retraceable",
     "default_partition",
@@ -191,7 +192,8 @@ def saved_tensors_hooks_disabled() -> contextlib.AbstractContextManager:
 #: supported torch version): ``tag_activation_checkpoint(body_graph_module, *inputs, **checkpoint_kwargs)``.
 CHECKPOINT_HOP = torch.ops.higher_order.tag_activation_checkpoint
 
-_CONTEXT_FN_KEY = "_checkpoint_context_fn"
+#: Where Dynamo keeps a region's ``context_fn`` (selective activation checkpointing) on its body.
+CHECKPOINT_CONTEXT_FN = "_checkpoint_context_fn"
 
 
 def _recompute_everything(ctx, op, *args, **kwargs):
@@ -217,9 +219,9 @@ def checkpoint_bodies_retraceable(bodies: Sequence[torch.fx.GraphModule]) -> Ite
     it from the traced graph's bodies, so that AOTAutograd later takes the same path as for Dynamo's
     own graph. The given bodies get their meta back on exit.
     """
-    added = [body for body in bodies if _CONTEXT_FN_KEY not in body.meta]
+    added = [body for body in bodies if CHECKPOINT_CONTEXT_FN not in body.meta]
     for body in added:
-        body.meta[_CONTEXT_FN_KEY] = _DEFAULT_CONTEXT_FN
+        body.meta[CHECKPOINT_CONTEXT_FN] = _DEFAULT_CONTEXT_FN
     # torch warns that "context_fn is passed to torch.utils.checkpoint": not by the user, by us, with
     # the policy torch uses without one; keep that out of the user's log.
     wrap_log = logging.getLogger("torch._higher_order_ops.wrap")
@@ -232,7 +234,7 @@ def checkpoint_bodies_retraceable(bodies: Sequence[torch.fx.GraphModule]) -> Ite
         if quiet is not None:
             wrap_log.removeFilter(quiet)
         for body in added:
-            body.meta.pop(_CONTEXT_FN_KEY, None)
+            body.meta.pop(CHECKPOINT_CONTEXT_FN, None)
 
 
 class _DropMessage(logging.Filter):
@@ -247,8 +249,8 @@ class _DropMessage(logging.Filter):
 def strip_default_context_fn(gm: torch.fx.GraphModule) -> None:
     """Remove the policy :func:`checkpoint_bodies_retraceable` lent from every submodule of ``gm``."""
     for module in gm.modules():
-        if isinstance(module, torch.fx.GraphModule) and module.meta.get(_CONTEXT_FN_KEY) is _DEFAULT_CONTEXT_FN:
-            del module.meta[_CONTEXT_FN_KEY]
+        if isinstance(module, torch.fx.GraphModule) and module.meta.get(CHECKPOINT_CONTEXT_FN) is _DEFAULT_CONTEXT_FN:
+            del module.meta[CHECKPOINT_CONTEXT_FN]
 
 
 # --------------------------------------------------------------------------------------------------

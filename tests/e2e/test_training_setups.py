@@ -316,3 +316,46 @@ def test_whole_model_gradient_checkpointing_eager_attention_refused_with_reason(
     reasons = _reasons(reports, "attention")
     assert len(reasons) == LAYERS
     assert all(r.startswith("additive float mask comes from a graph input") for r in reasons), reasons
+
+
+@pytest.mark.skipif(INLINES_REGIONS, reason="torch 2.7 inlines checkpointed regions (compiled unfused)")
+def test_whole_model_gradient_checkpointing_dynamic_shapes():
+    """``dynamic=True``: floats such as RMSNorm's eps enter each region as 0-d tensor inputs read with
+    ``.item()``; the region bodies are retraced with the graph's own values for them, so everything
+    fuses (5/2/4/2), the backward recomputes the fused ops, and training matches eager (fp32)."""
+    model = _checkpointed()
+    ids = _ids()
+    eager = run_model(model, model, ids, True)
+    compiled = run_model(model, torch.compile(model, backend="qwen_npu", dynamic=True), ids, True)
+    assert_runs_match(compiled, eager)
+    [report] = SUMMARY.graphs
+    assert report.fallback is None
+    assert report.fusions == {"rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS, "rotary": 2 * LAYERS, "attention": LAYERS}
+    backward = report.aot_ops["backward"]
+    assert {op: backward.get(op, 0) for op in RECOMPUTED} == RECOMPUTED
+
+
+@pytest.mark.skipif(INLINES_REGIONS, reason="torch 2.7 inlines checkpointed regions (compiled unfused)")
+def test_whole_model_selective_checkpointing_policy_sees_the_fused_ops():
+    """A user's selective-checkpointing policy (``context_fn``) stays with each region and is asked
+    about the fused ops: saving ``npu_rms_norm`` keeps it out of the backward's recomputation while
+    rotary and SwiGLU are still recomputed; training matches eager (fp32)."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    asked = set()
+
+    def policy(ctx, op, *args, **kwargs):
+        asked.add(str(op))
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.npu.npu_rms_norm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    model = tiny_qwen2(**ISSUE)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+        "use_reentrant": False, "context_fn": functools.partial(create_selective_checkpoint_contexts, policy)})
+    [report] = _train_parity(model)
+    assert report.fusions == {"rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS, "rotary": 2 * LAYERS, "attention": LAYERS}
+    backward = report.aot_ops["backward"]
+    assert {op: backward.get(op, 0) for op in RECOMPUTED} == dict(RECOMPUTED, npu_rms_norm=0)
+    assert "npu.npu_rms_norm.default" in asked

@@ -47,9 +47,6 @@ CONFIG = QwenNpuConfig()  # every family
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=128, max_position_embeddings=256, use_cache=False)  # fmt: skip
 MHA = dict(TINY, num_key_value_heads=4)
-#: transformers 5.x passes enable_gqa to SDPA only without a mask and for head_dim <= 256
-#: (``integrations/sdpa_attention.py`` ``use_gqa_in_sdpa``); wider heads get repeat_kv'd K/V instead.
-WIDE_HEADS = dict(TINY, head_dim=288)
 
 #: Variants no graph of the corpus reaches, with why they are kept. The test fails when one of them
 #: starts matching (then remove it here) and when a variant outside this list matches nothing.
@@ -105,14 +102,8 @@ CASES: dict[str, Case] = {
     "sdpa_decode": Case(TINY, "sdpa", FP32, False, run="decode"),
     "sdpa_prefill_mha": Case(MHA, "sdpa", FP32, False, run="prefill"),
     "sdpa_decode_mha": Case(MHA, "sdpa", FP32, False, run="decode"),
-    "sdpa_prefill_wide_heads": Case(WIDE_HEADS, "sdpa", FP32, False, run="prefill"),
-    "sdpa_decode_wide_heads": Case(WIDE_HEADS, "sdpa", FP32, False, run="decode"),
-    "sdpa_prefill_wide_heads_dynamic": Case(WIDE_HEADS, "sdpa", FP32, False, True, "prefill"),
-    "sdpa_decode_wide_heads_dynamic": Case(WIDE_HEADS, "sdpa", FP32, False, True, "decode"),
     "sdpa_prefill_dropout": Case(DROPOUT, "sdpa", FP32, True, run="prefill"),
     "sdpa_prefill_mha_dropout": Case(MHA_DROPOUT, "sdpa", FP32, True, run="prefill"),
-    "sdpa_prefill_wide_heads_dropout": Case(dict(WIDE_HEADS, attention_dropout=0.1), "sdpa", FP32, True, run="prefill"),
-    "sdpa_prefill_wide_heads_dynamic_dropout": Case(dict(WIDE_HEADS, attention_dropout=0.1), "sdpa", FP32, True, True, "prefill"),
     # MLP spellings of other models
     "llama_mlp_bias": Case(dict(TINY, mlp_bias=True), "sdpa", FP32, False, model="llama"),
     "phi3": Case(dict(TINY, pad_token_id=0, eos_token_id=1, bos_token_id=1), "sdpa", FP32, False, model="phi3"),

@@ -1,30 +1,32 @@
 """Every registered pattern variant of every family fuses some realistic graph.
 
-A variant nothing matches is dead weight or a gap in the tests. So a small corpus of graphs from
-transformers' real modeling code (tiny random configs, 1 decoder layer) is captured by Dynamo,
-canonicalized and fused with the public :func:`qwen_npu_compile.fuse.fuse`, and the applied
-replacements are counted per variant (:attr:`FuseResult.variants`). The test iterates the registry
-(``qwen_npu_compile.patterns.FAMILIES``), so a new variant must bring the graph it exists for.
+A variant nothing matches is dead weight or a gap in the tests. Two sources of evidence, each compiled
+from transformers' real modeling code (tiny random configs, nothing from a model hub):
+
+* The attention family's variants are the rows of its declarative table (``patterns/attention.py:
+  SPELLINGS``). ``tests/patterns/test_attention_variants.py`` compiles every row alone on transformers'
+  own ``sdpa_attention_forward`` / ``eager_attention_forward`` in the setting its ``why`` names (GQA
+  switch, mask kind, dropout, symbolic length) and asserts that row, not an earlier one, fuses it. Here
+  the test only asserts that the family declares exactly the table's rows, so a variant added outside
+  the table fails.
+* Every other family's variants (RMSNorm, SwiGLU, rotary) must match in a small corpus of whole-model
+  graphs (1 decoder layer) captured by Dynamo, canonicalized and fused with the public
+  :func:`qwen_npu_compile.fuse.fuse`; the applied replacements are counted per variant
+  (:attr:`FuseResult.variants`) and pinned exactly per case, the attention rows included (one whole-model
+  graph per attention implementation, static and dynamic, training and a KV-cache decode step).
 
 The checks run for an Ascend host handing off to aot_eager (``CompileTarget("aot_eager",
-simulated=False)``): the simulated kernels refuse training dropout in attention (their dropout mask
-is not random), the real ones do not, and the dropout variants exist for them. Nothing fused runs here:
-the backend returns Dynamo's graph unchanged.
+simulated=False)``). Nothing fused runs here: the backend returns Dynamo's graph unchanged.
 
 The corpus is built for the primary stack (``requirements.txt``: transformers 5.24.0). Older
-transformers (5.10.4, 4.57.6 measured) build an explicit mask for KV-cache steps under torch.compile
-too, so there the mask-free SDPA variants (``sdpa_causal_*``, ``sdpa_none_*``) match nothing and
-``TRANSFORMERS_SDPA_FORCE_GQA`` does not exist; the test runs on 5.24 and newer only.
+transformers (5.10.4, 4.57.6 measured) build an explicit mask for KV-cache steps under torch.compile,
+so their decode step hits other attention rows; the test runs on 5.24 and newer only.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
 from collections import Counter
-from collections.abc import Callable
-from unittest import mock
 
 import pytest
 import torch
@@ -35,11 +37,11 @@ from qwen_npu_compile import canonicalize
 from qwen_npu_compile.config import QwenNpuConfig
 from qwen_npu_compile.fuse import FuseResult, fuse
 from qwen_npu_compile.fusion import CompileTarget
-from qwen_npu_compile.patterns import FAMILIES, get_family_pass
+from qwen_npu_compile.patterns import FAMILIES, attention, get_family_pass
 
 pytestmark = pytest.mark.skipif(
     Version(transformers.__version__).release < (5, 24),
-    reason="the corpus reproduces transformers >= 5.24 graphs (mask-free KV-cache steps, TRANSFORMERS_SDPA_FORCE_GQA)",
+    reason="the corpus reproduces transformers >= 5.24 graphs (a mask-free KV-cache decode step)",
 )
 
 TARGET = CompileTarget("aot_eager", simulated=False)
@@ -53,13 +55,6 @@ MHA = dict(TINY, num_key_value_heads=4)
 UNMATCHED: dict[str, str] = {}  # none: swiglu_linear_silu_right and rotary_bnsd matched nothing and were removed
 
 
-@contextlib.contextmanager
-def _force_gqa():
-    """``TRANSFORMERS_SDPA_FORCE_GQA=1``, transformers' switch (XPU and MPS do it by default): enable_gqa with a mask."""
-    with mock.patch.dict(os.environ, {"TRANSFORMERS_SDPA_FORCE_GQA": "1"}):
-        yield
-
-
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One graph of the corpus: a 1-layer tiny model (hidden 64, 4 heads) run once under torch.compile."""
@@ -70,7 +65,6 @@ class Case:
     train: bool
     dynamic: bool = False
     run: str = "forward"  # "forward" (no KV cache), "prefill" (empty cache), "decode" (1 token after a prefill)
-    context: Callable[[], contextlib.AbstractContextManager] | None = None
     model: str = "qwen2"  # a key of MODELS
 
 
@@ -79,53 +73,59 @@ MODELS = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     # LlamaMLP with mlp_bias=True: gate/up linears with a bias, so only silu(gate) * up matches
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-    # Phi3MLP: gate, up = gate_up_proj(x).chunk(2, -1); up * silu(gate), the commuted product
+    # Phi3MLP: gate, up = gate_up_proj(x).chunk(2, -1); up * silu(gate), the commuted product ; its
+    # apply_rotary_pos_emb rotates q[..., :rotary_dim] and cats the rest back: no rotary variant for that
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
 }
 
 
-BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-DROPOUT = dict(TINY, attention_dropout=0.1)
-MHA_DROPOUT = dict(MHA, attention_dropout=0.1)
-CASES: dict[str, Case] = {
-    # SDPA with transformers' explicit mask (training, log-prob forwards)
-    "sdpa_bf16_train": Case(TINY, "sdpa", BF16, True),
-    "sdpa_dynamic": Case(TINY, "sdpa", BF16, True, dynamic=True),
-    "sdpa_mha": Case(MHA, "sdpa", FP32, False),
-    "sdpa_dropout": Case(DROPOUT, "sdpa", FP32, True),
-    "sdpa_dropout_dynamic": Case(DROPOUT, "sdpa", FP32, True, dynamic=True),
-    "sdpa_mha_dropout": Case(MHA_DROPOUT, "sdpa", FP32, True),
-    "sdpa_force_gqa": Case(TINY, "sdpa", FP32, False, context=_force_gqa),
-    "sdpa_force_gqa_dropout": Case(DROPOUT, "sdpa", FP32, True, context=_force_gqa),
-    # SDPA without a mask: generation with a KV cache (prefill is_causal, decode neither)
-    "sdpa_prefill": Case(TINY, "sdpa", FP32, False, run="prefill"),
-    "sdpa_decode": Case(TINY, "sdpa", FP32, False, run="decode"),
-    "sdpa_prefill_mha": Case(MHA, "sdpa", FP32, False, run="prefill"),
-    "sdpa_decode_mha": Case(MHA, "sdpa", FP32, False, run="decode"),
-    "sdpa_prefill_dropout": Case(DROPOUT, "sdpa", FP32, True, run="prefill"),
-    "sdpa_prefill_mha_dropout": Case(MHA_DROPOUT, "sdpa", FP32, True, run="prefill"),
-    # MLP spellings of other models
-    "llama_mlp_bias": Case(dict(TINY, mlp_bias=True), "sdpa", FP32, False, model="llama"),
-    "phi3": Case(dict(TINY, pad_token_id=0, eos_token_id=1, bos_token_id=1), "sdpa", FP32, False, model="phi3"),
-    # eager_attention_forward: GQA (repeat_kv), under a symbolic S, MHA; each dtype, train and eval dropout
-    **{
-        f"eager_{kv}_{label}_{'train' if train else 'infer'}": Case(
-            MHA if kv == "mha" else TINY, "eager", dtype, train, dynamic=kv == "symbolic"
-        )
-        for kv in ("gqa", "symbolic", "mha")
-        for label, dtype in (("bf16", BF16), ("fp16", FP16), ("fp32", FP32))
-        for train in (True, False)
-    },
+BF16, FP32 = torch.bfloat16, torch.float32
+#: name -> (case, the variants its graphs fuse, with counts). The non-attention variants each appear in
+#: at least one case; each attention implementation appears in a whole-model graph.
+CASES: dict[str, tuple[Case, dict[str, int]]] = {
+    # training with transformers' explicit mask: bf16 norms, the linear SwiGLU form, rotary, repeat_kv'd SDPA
+    "sdpa_bf16_train": (
+        Case(TINY, "sdpa", BF16, True),
+        {"rms_norm_half": 3, "swiglu_linear_silu_left": 1, "rotary_bsnd": 2, "sdpa_mask_repeat_kv": 1},
+    ),
+    # the same under a symbolic sequence length (eps and sizes become graph inputs)
+    "sdpa_dynamic": (
+        Case(TINY, "sdpa", BF16, True, dynamic=True),
+        {"rms_norm_half": 3, "swiglu_linear_silu_left": 1, "rotary_bsnd": 2, "sdpa_mask_repeat_kv_symbolic": 1},
+    ),
+    # fp32 norms; MHA
+    "sdpa_mha_fp32": (
+        Case(MHA, "sdpa", FP32, False),
+        {"rms_norm_fp32": 3, "swiglu_linear_silu_left": 1, "rotary_bsnd": 2, "sdpa_mask_mha": 1},
+    ),
+    # KV-cache decode step (1 token after a prefill): SDPA without a mask
+    "sdpa_decode": (
+        Case(TINY, "sdpa", FP32, False, run="decode"),
+        {"rms_norm_fp32": 3, "swiglu_linear_silu_left": 1, "rotary_bsnd": 2, "sdpa_none_gqa": 1},
+    ),
+    # LlamaMLP with mlp_bias=True: gate/up linears with a bias, so only silu(gate) * up matches
+    "llama_mlp_bias": (
+        Case(dict(TINY, mlp_bias=True), "sdpa", FP32, False, model="llama"),
+        {"rms_norm_fp32": 3, "swiglu_silu_left": 1, "rotary_bsnd": 2, "sdpa_mask_repeat_kv": 1},
+    ),
+    # Phi3MLP: gate, up = gate_up_proj(x).chunk(2, -1); up * silu(gate), the commuted product ; its
+    # apply_rotary_pos_emb rotates q[..., :rotary_dim] and cats the rest back: no rotary variant for that
+    "phi3": (
+        Case(dict(TINY, pad_token_id=0, eos_token_id=1, bos_token_id=1), "sdpa", FP32, False, model="phi3"),
+        {"rms_norm_fp32": 3, "swiglu_silu_right": 1, "sdpa_mask_repeat_kv": 1},
+    ),
+    # eager_attention_forward (repeat_kv, additive mask) in training
+    "eager_bf16_train": (
+        Case(TINY, "eager", BF16, True),
+        {"rms_norm_half": 3, "swiglu_linear_silu_left": 1, "rotary_bsnd": 2, "eager_repeat_kv_bf16_train": 1},
+    ),
 }
 
 
 @pytest.fixture(scope="module")
 def corpus(npu_ops) -> dict[str, list[FuseResult]]:
     """Fuse every case once; per case, the fuse result of each graph Dynamo captured."""
-    results: dict[str, list[FuseResult]] = {}
-    for name, case in CASES.items():
-        results[name] = _fuse_case(case)
-    return results
+    return {name: _fuse_case(case) for name, (case, _) in CASES.items()}
 
 
 def _fuse_case(case: Case) -> list[FuseResult]:
@@ -144,8 +144,7 @@ def _fuse_case(case: Case) -> list[FuseResult]:
     model.train(case.train)
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
     compiled = torch.compile(model, backend=backend, dynamic=case.dynamic or None)
-    context = case.context() if case.context is not None else contextlib.nullcontext()
-    with context, torch.set_grad_enabled(case.train):
+    with torch.set_grad_enabled(case.train):
         if case.run == "decode":
             cache = model(input_ids=ids, use_cache=True).past_key_values
             compiled(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)
@@ -155,27 +154,40 @@ def _fuse_case(case: Case) -> list[FuseResult]:
     return seen
 
 
-def _matched(corpus) -> Counter[str]:
+def _matched(results: list[FuseResult]) -> Counter[str]:
     matched: Counter[str] = Counter()
-    for results in corpus.values():
-        for result in results:
-            matched.update(result.variants)
+    for result in results:
+        matched.update(result.variants)
     return matched
 
 
+def _declared(family: str) -> list[str]:
+    return [variant.name for variant in get_family_pass(family).declared_variants]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_case_fuses_exactly_its_variants(corpus, name):
+    assert corpus[name], f"{name}: no graph captured"
+    assert dict(_matched(corpus[name])) == CASES[name][1]
+
+
 def test_every_registered_variant_matches_a_realistic_graph(corpus):
-    matched = _matched(corpus)
-    declared = [variant.name for family in FAMILIES for variant in get_family_pass(family).declared_variants]
+    matched = sum((_matched(results) for results in corpus.values()), Counter())
+    declared = [name for family in FAMILIES if family != "attention" for name in _declared(family)]
     unmatched = [name for name in declared if matched[name] == 0 and name not in UNMATCHED]
     assert unmatched == [], f"variants no graph of the corpus matches (dead, or add the graph they exist for): {unmatched}"
     stale = [name for name in UNMATCHED if matched[name] > 0 or name not in declared]
     assert stale == [], f"listed as unmatched but matched (or no longer declared): {stale}"
 
 
+def test_attention_declares_exactly_its_table_rows(npu_ops):
+    """Each row is compiled alone on transformers' attention functions by test_attention_variants.py."""
+    assert _declared("attention") == [row.name for row in attention.SPELLINGS]
+
+
 def test_variant_counts_add_up_to_the_fusions(corpus):
-    families_of = {variant.name: family for family in FAMILIES for variant in get_family_pass(family).declared_variants}
+    families_of = {variant: family for family in FAMILIES for variant in _declared(family)}
     for name, results in corpus.items():
-        assert results, f"{name}: no graph captured"
         for result in results:
             per_family = Counter()
             for variant, count in result.variants.items():

@@ -27,7 +27,7 @@ import math
 import torch
 import torch.fx
 
-from qwen_npu_compile.fusion import meta_val, view_key
+from qwen_npu_compile.fusion import meta_val, region_operands, view_key
 from qwen_npu_compile.npu_ops.scalars import constant_tensor_value
 
 aten = torch.ops.aten
@@ -80,8 +80,10 @@ def check_additive_mask(mask: torch.fx.Node) -> str | None:
 
     Exact only when every value is 0 or masks completely: the mask must come (through views, copies and
     casts) from ``where(bool, 0, m)`` or ``where(bool, m, 0)`` with m = -inf or a finfo.min, which is how
-    transformers' ``eager_mask`` builds it. A mask that is a graph input (per-layer compile), or holds a
-    bias (ALiBi, T5), cannot be proven so and is refused.
+    transformers' ``eager_mask`` builds it. Inside an activation-checkpointed region the mask is an input
+    of the region's body: the proof continues in the calling graph, from every operand bound to it
+    (:func:`~qwen_npu_compile.fusion.region_operands`). A mask that is a graph input of the whole graph
+    (per-layer compile), or holds a bias (ALiBi, T5), cannot be proven so and is refused.
 
     Args:
         mask: the graph node of the additive mask (its value ``[B|1, 1|N, Sq, Skv]``, floating point).
@@ -89,6 +91,9 @@ def check_additive_mask(mask: torch.fx.Node) -> str | None:
     node = mask
     while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _VALUE_PRESERVING:
         node = node.args[0]
+    if isinstance(node, torch.fx.Node) and node.op == "placeholder" and (operands := region_operands(node)):
+        reasons = [check_additive_mask(operand) for operand in operands]
+        return next((reason for reason in reasons if reason is not None), None)
     if not isinstance(node, torch.fx.Node):
         return f"additive mask is the constant {node!r}"
     if node.op != "call_function" or node.target not in _WHERE_OPS:

@@ -76,7 +76,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from qwen_npu_compile.compat import guard_or_false
-from qwen_npu_compile.fusion import FusionFamily, PatternVariant, current_target, meta_val
+from qwen_npu_compile.fusion import FusionFamily, PatternVariant, current_target, meta_val, region_operands
 from qwen_npu_compile.npu_ops import rotary_mul_orthogonal
 from qwen_npu_compile.npu_ops.rotary_mul import rotary_mul_violation
 
@@ -179,7 +179,9 @@ def has_equal_halves(node) -> bool:
     dim=-1)`` in ``Qwen2RotaryEmbedding.forward``) through elementwise maps and casts, products with
     scalars or with tensors that themselves have equal halves or broadcast along the last dim
     (``* attention_scaling``), and views that keep the last dim (unsqueeze/squeeze/expand/reshape/
-    transpose/slice on other dims). Anything else (a graph input, an op not listed) is not proven.
+    transpose/slice on other dims). An input of an activation-checkpointed region's body is followed to
+    what the calling graph passes (:func:`~qwen_npu_compile.fusion.region_operands`). Anything else (a
+    graph input, an op not listed) is not proven.
     """
     return _equal_halves(node, _MAX_WALK)
 
@@ -203,6 +205,9 @@ def _last_dim_kept(node: torch.fx.Node) -> bool:
 
 
 def _equal_halves(node, budget: int) -> bool:
+    if isinstance(node, torch.fx.Node) and node.op == "placeholder" and (operands := region_operands(node)):
+        # an input of a checkpointed region's body: proven when what every caller passes is
+        return all(_equal_halves(operand, budget - 1) for operand in operands)
     if budget <= 0 or not isinstance(node, torch.fx.Node) or node.op != "call_function":
         return False
     target = node.target

@@ -329,6 +329,26 @@ def checkpoint_bodies(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
     return list(seen.values())
 
 
+def checkpoint_operands(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, list[object]]:
+    """What the calling graphs pass for each placeholder of a checkpointed region's body, depth first.
+
+    ``tag_activation_checkpoint(body, *operands)`` calls ``body(*operands)``: the i-th placeholder of
+    the body receives the i-th operand. A body called by several regions maps to every caller's operand.
+
+    Returns:
+        Body placeholder node -> the operands (nodes of the calling graph, or constants) bound to it.
+    """
+    operands: dict[torch.fx.Node, list[object]] = {}
+    for call in _checkpoint_calls(gm.graph):
+        body = getattr(gm, call.args[0].target)
+        for placeholder, operand in zip(body.graph.find_nodes(op="placeholder"), call.args[1:]):
+            operands.setdefault(placeholder, []).append(operand)
+    for body in checkpoint_bodies(gm):
+        for placeholder, bound in checkpoint_operands(body).items():
+            operands.setdefault(placeholder, []).extend(bound)
+    return operands
+
+
 def canonical_checkpoint_bodies(
     gm: torch.fx.GraphModule, inputs_of: dict[torch.fx.Node, object]
 ) -> dict[str, torch.fx.GraphModule]:

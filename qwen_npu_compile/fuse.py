@@ -26,7 +26,7 @@ import torch.fx
 
 from . import canonicalize
 from .config import ALL_FAMILIES, QwenNpuConfig
-from .fusion import CompileTarget, Refusal, RefusalRecorder, counting_matches, targeting
+from .fusion import CompileTarget, Refusal, RefusalRecorder, binding_region_operands, counting_matches, targeting
 
 
 @dataclasses.dataclass
@@ -92,7 +92,8 @@ class FusionPasses:
         recorder = RefusalRecorder()
         matched: Counter[str] = Counter()
         graphs = canonicalize.fusion_graphs(gm)  # gm and its activation-checkpointed regions' bodies
-        with targeting(target), counting_matches(matched):
+        operands = canonicalize.checkpoint_operands(gm)  # what the regions' callers bind to their bodies' inputs
+        with targeting(target), counting_matches(matched), binding_region_operands(operands):
             for family in self.enabled:
                 family_pass = get_family_pass(family)
                 result.already_fused[family] = sum(family_pass.count_fused(g.graph) for g in graphs)

@@ -211,6 +211,24 @@ def counting_matches(counter: Counter[str]):
     return _set_within(_ACTIVE_MATCHES, counter)
 
 
+_REGION_OPERANDS: contextvars.ContextVar[dict[torch.fx.Node, list[object]] | None] = contextvars.ContextVar(
+    "qwen_npu_region_operands", default=None
+)
+
+
+def binding_region_operands(operands: dict[torch.fx.Node, list[object]]):
+    """Let checks inside this block follow a checkpointed body's placeholder to what its callers pass
+    (:func:`qwen_npu_compile.canonicalize.checkpoint_operands`)."""
+    return _set_within(_REGION_OPERANDS, operands)
+
+
+def region_operands(node: torch.fx.Node) -> list[object]:
+    """The operands the calling graphs bind to ``node``, a placeholder of a checkpointed region's body;
+    ``[]`` for any other node, or outside :func:`binding_region_operands`."""
+    operands = _REGION_OPERANDS.get()
+    return list(operands.get(node, ())) if operands else []
+
+
 @dataclasses.dataclass(frozen=True)
 class CompileTarget:
     """What the rewritten graph will run on, for checks whose answer depends on it.

@@ -92,6 +92,26 @@ def test_qwen2_training_for_torchair_uses_the_orthogonal_rotary(npu_ops, torchai
     assert _count(graphs["backward"], NPU.npu_rotary_mul_backward.default) == 0
 
 
+@pytest.mark.skipif(tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 9),
+                    reason="torch 2.7 inlines checkpointed regions (compiled unfused, tests/e2e/test_training_setups.py)")
+def test_checkpointed_layers_for_torchair_use_the_orthogonal_rotary(npu_ops, torchair_target_on_aot_eager):
+    """Inside an activation-checkpointed layer cos/sin are inputs of the region's body: the proof that
+    sin = cat(f, f) follows them to the rotary embedding in the calling graph, so head_dim 16 (below the
+    backward converter's D % 64) still fuses in the orthogonal form; the backward recomputes it."""
+    layers = 2
+    model = tiny_qwen2(torch.bfloat16, hidden_size=64, num_attention_heads=4, num_key_value_heads=2).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    input_ids = torch.randint(0, 128, (2, 16))
+    eager, reference = eager_and_reference(model, input_ids, True, torch.bfloat16)
+    compiled = torch.compile(model, backend="qwen_npu", options={**TORCHAIR, "fusions": "rotary"})
+    assert_runs_match(run_model(model, compiled, input_ids, True), eager, reference)
+    [report] = get_reports()
+    assert report.fusions == {"rotary": 2 * layers} and _refusals(report, "rotary") == []
+    graphs = torchair_target_on_aot_eager
+    assert _count(graphs["backward"], ORTHOGONAL) == 2 * layers * 2  # recomputed forward + the backward itself
+    assert _count(graphs["backward"], NPU.npu_rotary_mul_backward.default) == 0
+
+
 def test_qwen2_training_for_torchair_dynamic_sequence_length(npu_ops, torchair_target_on_aot_eager):
     """dynamic=True (verl's varying lengths): the orthogonal form needs no static shape; one graph."""
     dtype, layers = torch.bfloat16, 1

@@ -8,6 +8,7 @@ reasons.
 from __future__ import annotations
 
 import logging
+import types
 
 import pytest
 import torch
@@ -304,18 +305,50 @@ def test_whole_model_gradient_checkpointing_fuses_inside_the_regions(dtype, capl
     assert [r for r in caplog.records if r.name.startswith("qwen_npu_compile")] == []
 
 
-def test_whole_model_gradient_checkpointing_eager_attention_refused_with_reason():
-    """Eager attention inside a checkpointed region reads its float mask as a region input: the mask
-    cannot be proven 0/finfo.min there, so attention is refused with that reason (the other families
-    fuse) and training still matches eager."""
-    reports = _train_parity(_checkpointed(attn="eager"))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_whole_model_gradient_checkpointing_eager_attention_fuses(dtype):
+    """Eager attention inside a checkpointed region reads its float mask as an input of the region's
+    body: the proof that it holds only 0/finfo.min follows the input to the ``where`` that builds it in
+    the calling graph (transformers' eager_mask), so attention fuses in every region, the backward
+    recomputes the fused ops, and training matches eager."""
+    reports = _train_parity(_checkpointed(attn="eager", dtype=dtype), dtype=dtype)
     if INLINES_REGIONS:
         assert [r.fallback.startswith(INLINED) for r in reports] == [True]
         return
-    assert _totals(reports) == {"rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS, "rotary": 2 * LAYERS, "attention": 0}
-    reasons = _reasons(reports, "attention")
-    assert len(reasons) == LAYERS
-    assert all(r.startswith("additive float mask comes from a graph input") for r in reasons), reasons
+    assert _totals(reports) == {"rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS, "rotary": 2 * LAYERS, "attention": LAYERS}
+    assert _reasons(reports, "attention") == []
+    [report] = reports
+    backward = report.aot_ops["backward"]
+    assert {op: backward.get(op, 0) for op in RECOMPUTED} == RECOMPUTED
+    assert backward["npu_fusion_attention_grad"] == LAYERS
+
+
+def test_region_mask_that_is_a_graph_input_is_refused(npu_ops):
+    """The proof follows a region input only to what its caller passes: a float mask that is an input of
+    the whole graph (here: of a checkpointed function compiled alone) still cannot be proven 0/finfo.min."""
+    from torch.utils.checkpoint import checkpoint
+    from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward
+
+    module = types.SimpleNamespace(num_key_value_groups=2, training=False)
+
+    def attention(q, k, v, mask):
+        return checkpoint(
+            lambda q, k, v, mask: eager_attention_forward(module, q, k, v, mask, scaling=0.125)[0],
+            q, k, v, mask, use_reentrant=False,
+        )  # fmt: skip
+
+    q = torch.randn(2, 4, 8, 64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 8, 64, requires_grad=True) for _ in range(2))
+    mask = torch.zeros(2, 1, 8, 8).masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
+    out = torch.compile(attention, backend="qwen_npu")(q, k, v, mask)
+    torch.testing.assert_close(out, attention(q, k, v, mask))
+    [report] = SUMMARY.graphs
+    if INLINES_REGIONS:
+        assert report.fallback.startswith("the pre-dispatch retrace inlined 1 activation-checkpointed region")
+        return
+    assert report.fusions["attention"] == 0
+    [reason] = [r.reason for r in report.refused if r.family == "attention"]
+    assert reason.startswith("additive float mask comes from a graph input"), reason
 
 
 @pytest.mark.skipif(INLINES_REGIONS, reason="torch 2.7 inlines checkpointed regions (compiled unfused)")

@@ -118,6 +118,8 @@ def run_check(args: argparse.Namespace) -> dict:
         raise ValueError("--autocast needs --dtype bf16 or fp16 (the autocast dtype; the weights stay fp32)")
     if checkpointing and not train:
         raise ValueError("--grad-checkpointing needs --mode train")
+    if not 0 <= args.left_padding < args.seq_len:
+        raise ValueError(f"--left-padding must be >= 0 and below --seq-len {args.seq_len}, got {args.left_padding}")
 
     def amp():
         """The autocast region of the eager and compiled runs (not of the fp32 reference)."""
@@ -171,8 +173,6 @@ def run_check(args: argparse.Namespace) -> dict:
 
     generator = torch.Generator().manual_seed(1234)
     input_ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len), generator=generator)
-    if not 0 <= args.left_padding < args.seq_len:
-        raise ValueError(f"--left-padding must be >= 0 and below --seq-len {args.seq_len}, got {args.left_padding}")
     attention_mask = left_padding_mask(input_ids, args.left_padding)
     labels = padding_labels(input_ids, attention_mask)
 

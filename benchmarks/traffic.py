@@ -275,7 +275,7 @@ def _feeds_fused(node: torch.fx.Node) -> bool:
 
 def _feeds_fused_through_matmul(node: torch.fx.Node) -> bool:
     """Whether ``node`` feeds (through views) a matmul whose output feeds (through views) a fused op:
-    the in-graph weight concatenation of the merged-weight SwiGLU."""
+    an in-graph weight concatenation such as ``cat([w_gate, w_up])``."""
     stack, seen = list(node.users), set()
     while stack:
         user = stack.pop()

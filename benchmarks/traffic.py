@@ -31,7 +31,8 @@ Counting rules (:func:`classify`, :func:`node_bytes`):
   except view ops (``OpOverload.is_view``: view, t, transpose, expand, unsqueeze, squeeze, slice,
   select, permute, detach, alias, as_strided, split, ...) and :data:`FREE_OPS` (``_unsafe_view`` and
   allocations without a fill); ``operator.getitem`` and SymInt arithmetic are free too.
-* Kernel categories: ``matmul`` (:data:`MATMUL_OPS`), ``attention`` (SDPA's kernels and
+* Kernel categories: ``matmul`` (:data:`MATMUL_OPS`, including ``qwen_npu.gate_up_proj``: the SwiGLU
+  fusion's gate and up projections, two matmuls writing one buffer), ``attention`` (SDPA's kernels and
   ``npu_fusion_attention``/``_grad``, :data:`ATTENTION_OP_NAMES`), ``fused`` (other ``npu`` ops) and
   ``vector`` (everything else: elementwise, reductions, casts, copies, cat, mask building).
 * Bytes of a kernel = bytes of its tensor inputs (each argument once, broadcast (stride-0) dims
@@ -41,9 +42,11 @@ Counting rules (:func:`classify`, :func:`node_bytes`):
   SDPA lowers to ``_scaled_dot_product_flash_attention_for_cpu``, a stand-in for whatever the NPU's
   SDPA dispatches to.
 * *Glue*: the copies a rewrite or a patch adds for a fused kernel: a ``cat``/``clone``/``_to_copy``/
-  ``logical_not`` whose output feeds a fused npu op (through views), a ``cat`` feeding a matmul that
-  feeds a fused op (SwiGLU's in-graph ``cat([w_gate, w_up])``), or a ``_to_copy`` of a fused op's
-  output (e.g. npu_rms_norm_backward's fp32 dgamma cast to the weight dtype).
+  ``logical_not`` whose output feeds a fused npu op (through views: verl's and our fallback SwiGLU
+  ``cat([gate, up], -1)``), a ``cat`` feeding a matmul that feeds a fused op (an in-graph weight
+  concatenation such as ``cat([w_gate, w_up])``, which our SwiGLU rewrite no longer builds), or a
+  ``_to_copy`` of a fused op's output (e.g. npu_rms_norm_backward's fp32 dgamma cast to the weight
+  dtype). Our SwiGLU linear form (``gate_up_proj`` + ``npu_swiglu(dim=0)``) has no glue.
 * *Fused lower bound* (per layer): the qwen_npu graph's non-matmul bytes without its glue: each
   fused op reads its inputs once and writes its outputs once, and only the work no family covers
   (residual adds, gradient accumulation, bias-gradient sums) remains.
@@ -69,6 +72,7 @@ from qwen_npu_compile import canonicalize, emit, ensure_npu_ops
 from qwen_npu_compile.config import ALL_FAMILIES, QwenNpuConfig
 from qwen_npu_compile.fuse import fuse
 from qwen_npu_compile.fusion import CompileTarget
+from qwen_npu_compile.npu_ops import gate_up_proj
 from qwen_npu_compile.check.models import resolve_model_config, tiny_qwen2_config, with_layers
 
 from .common import MIB, progress
@@ -93,8 +97,10 @@ BANDWIDTH = {
 }
 
 #: Matrix multiplications: not counted in bytes (compute-bound at these shapes, identical in every variant).
+#: ``qwen_npu.gate_up_proj`` is gate_proj's and up_proj's two matmuls, each writing its half of one buffer.
 MATMUL_OPS = frozenset(
     {
+        gate_up_proj.OP,
         aten.mm.default,
         aten.bmm.default,
         aten.addmm.default,
@@ -269,7 +275,7 @@ def _feeds_fused(node: torch.fx.Node) -> bool:
 
 def _feeds_fused_through_matmul(node: torch.fx.Node) -> bool:
     """Whether ``node`` feeds (through views) a matmul whose output feeds (through views) a fused op:
-    the in-graph weight concatenation of the merged-weight SwiGLU."""
+    an in-graph weight concatenation such as ``cat([w_gate, w_up])``."""
     stack, seen = list(node.users), set()
     while stack:
         user = stack.pop()
@@ -292,13 +298,13 @@ def is_glue(node: torch.fx.Node) -> bool:
 
     Input glue: a cat/clone/_to_copy/logical_not whose output feeds a fused op (through views).
     Weight glue: a ``cat`` feeding a matmul whose output feeds a fused op (the merged gate/up weight
-    of the SwiGLU rewrite). Output glue: a ``_to_copy`` (dtype cast) of a fused op's output. A clone *of* a fused op's output
+    built in the graph). Output glue: a ``_to_copy`` (dtype cast) of a fused op's output. A clone *of* a fused op's output
     that feeds something else (repeat_kv after a fused rotary) is ordinary work, not glue.
     """
     if classify(node) != "vector" or node.target._schema.name not in GLUE_OP_NAMES:
         return False
     if node.target._schema.name == "aten::cat" and _feeds_fused_through_matmul(node):
-        return True  # weight glue: cat([w_gate, w_up]) -> mm -> npu_swiglu
+        return True  # weight glue: e.g. cat([w_gate, w_up]) -> mm -> npu_swiglu
     return _feeds_fused(node) or (node.target._schema.name == "aten::_to_copy" and _fed_by_fused(node))
 
 
@@ -334,7 +340,8 @@ def swiglu_forward_bytes(gm: torch.fx.GraphModule) -> dict[str, int]:
     """Bytes of the SwiGLU elementwise work in a forward graph (matmuls excluded).
 
     Unfused: ``silu(gate)`` plus the ``mul`` consuming it; fused: ``npu_swiglu`` plus the glue copies
-    feeding it (the ``cat`` of gate and up). In a 1-layer graph this is exactly one layer's MLP.
+    feeding it (verl's ``cat`` of gate and up; none for our ``gate_up_proj`` buffer). In a 1-layer graph
+    this is exactly one layer's MLP.
 
     Returns:
         ``{"silu_mul": bytes, "npu_swiglu": bytes, "input_glue": bytes}``.
@@ -771,7 +778,7 @@ def run(quick: bool = False) -> dict:
             "kernel": "call_function node on an ATen/npu OpOverload that returns a tensor, excluding view ops "
             "(OpOverload.is_view) and _unsafe_view/empty*/lift_fresh; getitem and SymInt ops are free",
             "bytes": "tensor inputs (stride-0 broadcast dims once) + tensor outputs, numel x itemsize from "
-            "meta['val']; matmuls (mm/bmm/addmm/baddbmm/linear/matmul) not counted",
+            "meta['val']; matmuls (mm/bmm/addmm/baddbmm/linear/matmul, qwen_npu.gate_up_proj) not counted",
             "attention": "SDPA kernels (here _scaled_dot_product_flash_attention_for_cpu[_backward]) and "
             "npu_fusion_attention[_grad]: counted in non_matmul bytes but also shown apart, since SDPA's "
             "internal traffic depends on the kernel",

@@ -12,80 +12,54 @@ FX before (pre-dispatch ATen)::
     mul = aten.mul.Tensor(silu, linear_1)
     linear_2 = aten.linear.default(mul, w_down)
 
-FX after, when the graph has at least as many tokens as the hidden size (``T >= H``: verl's 4k-32k
-token micro-batches at 0.5B/7B), one matmul against the gate/up weights concatenated *in the graph*
-(the parameters and state-dict keys stay as they are)::
+FX after, for plain ``aten.linear(x, w)`` gate/up projections without bias on the same ``x``: both
+projections are written into the two contiguous halves of one buffer (``qwen_npu::gate_up_proj``,
+:mod:`qwen_npu_compile.npu_ops.gate_up_proj`: two matmuls with ``out=``, no copy) and ``npu_swiglu``
+splits that buffer along its new leading dim; the parameters and state-dict keys stay as they are::
 
-    cat = aten.cat.default([w_gate, w_up])                     # [2I, H]: 2·2I·H elements moved
-    linear = aten.linear.default(x, cat)                       # [..., 2I], gate first
-    npu_swiglu = npu.npu_swiglu.default(linear, -1)
-    linear_2 = aten.linear.default(npu_swiglu, w_down)
+    gate_up_proj = qwen_npu.gate_up_proj.default(x, w_gate, w_up)   # [2, ..., I]: [0] gate, [1] up
+    npu_swiglu = npu.npu_swiglu.default(gate_up_proj, 0)           # [1, ..., I]
+    squeeze = aten.squeeze.dim(npu_swiglu, 0)                      # a view
+    linear_2 = aten.linear.default(squeeze, w_down)
 
-Otherwise (fewer tokens than H: decode, short prompts) the activations are concatenated::
+No element is copied at any token count (the weight concatenation ``cat([w_gate, w_up])`` moved
+``2·2I·H`` elements, the activation one ``2·T·2I``), so there is no layout to choose. In training the
+backward of ``gate_up_proj`` is two ``dx`` matmuls and their ``add`` (``3·T·H`` elements, as for two
+separate linears and for verl's activation ``cat``) and one ``dW`` matmul per weight. The merged weight
+avoided that ``add`` (one ``dx`` matmul), so for a *training* graph with more than ``4I/3`` tokens
+(about 25k at Qwen2.5-7B, 6.5k at 0.5B) it moved fewer bytes per step (7B, S=32768: 0.7% fewer), but
+AOTAutograd saved its ``[H, 2I]`` concatenation for the backward: ``2I·H`` more activation memory per
+layer (259 MiB at 7B bf16, 7 GiB over 28 layers); ``gate_up_proj`` saves only ``x`` and the
+parameters. Forward-only graphs move strictly fewer bytes at every token count.
+
+When the linears are not plain ``aten.linear(x, w)`` without bias on the same input (LoRA, a bias, a
+cast in between), or gate/up are used elsewhere too, only the ``silu(gate) * up`` variants match and the
+activations are concatenated::
 
     cat = aten.cat.default([linear, linear_1], -1)             # [..., 2I]: 2·T·2I elements moved
     npu_swiglu = npu.npu_swiglu.default(cat, -1)
 
-The choice (:func:`merge_weights`) compares the two copies' bytes, ``2I·H`` (weights) against
-``T·2I`` (activations); in training the merged weight also turns the two ``dx`` matmuls and their
-``add`` into one matmul (``T·H`` x 3 elements less in the backward). It is made from the graph's size
-hints, without a guard (a symbolic T never recompiles for it). When the linears are not plain
-``aten.linear(x, w)`` without bias on the same input (LoRA, a bias, a cast in between), only the
-``silu(gate) * up`` variants match and the activations are concatenated.
-
-Constraints (torch_npu 2.13.0 ``npu_swiglu`` docs): A is the *first* half, so the input is
-``cat([gate, up], -1)``, gate first; the split size must be even (it is: 2·I) and the input contiguous
-(``cat`` output is). gate and up must have equal shapes (no broadcasting) and dtypes. The anchor is
-``aten.silu``. The ``cat`` costs one extra copy of gate and up; fusing gate_proj and up_proj into one
-linear would remove it (see the README's performance notes).
+Constraints (torch_npu 2.13.0 ``npu_swiglu`` docs): A is the *first* half, gate first; the size along
+``dim`` must be even (2 along dim 0; 2·I along -1) and the input contiguous (``gate_up_proj``'s and
+``cat``'s outputs are). gate and up must have equal shapes (no broadcasting) and dtypes. The anchor is
+``aten.silu``. The limits live with the ops: :func:`~qwen_npu_compile.npu_ops.swiglu.swiglu_violation`
+and :func:`~qwen_npu_compile.npu_ops.gate_up_proj.gate_up_proj_violation`.
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from qwen_npu_compile.fusion import FusionFamily, PatternVariant, meta_val, node_source
+from qwen_npu_compile.fusion import FusionFamily, PatternVariant, meta_val
+from qwen_npu_compile.npu_ops import gate_up_proj
 from qwen_npu_compile.npu_ops.swiglu import swiglu_violation
 
 aten = torch.ops.aten
 F = torch.nn.functional
-log = logging.getLogger(__name__)
 
-#: What :func:`merge_weights` picks, as recorded in logs and benchmark results.
-LAYOUT_MERGED_WEIGHT = "merged_weight"
-LAYOUT_ACTIVATION_CAT = "activation_cat"
-
-
-def _hint(size) -> int:
-    """A size's concrete value, or its size hint when symbolic (never guards)."""
-    if not isinstance(size, torch.SymInt):
-        return int(size)
-    # hint_int (torch <= 2.10) became optimization_hint (2.13); SymNode.hint underlies both
-    shapes = torch.fx.experimental.symbolic_shapes
-    for name in ("hint_int", "optimization_hint"):
-        if hasattr(shapes, name):
-            return int(getattr(shapes, name)(size))
-    return int(size.node.hint)
-
-
-def merge_weights(x: torch.Tensor, w_gate: torch.Tensor) -> bool:
-    """Whether one matmul against ``cat([w_gate, w_up])`` moves fewer bytes than ``cat([gate, up], -1)``.
-
-    The weight copy reads and writes ``2I·H`` elements, the activation copy ``T·2I`` (T = tokens in
-    the graph, ``x.numel() / H``): merge when ``T >= H``. Decided on size hints, without a guard.
-
-    Args:
-        x: ``[..., H]`` input of gate_proj/up_proj (FakeTensor, sizes may be symbolic).
-        w_gate: ``[I, H]`` gate_proj weight.
-    """
-    hidden = _hint(w_gate.shape[1])
-    tokens = 1
-    for size in x.shape[:-1]:
-        tokens *= _hint(size)
-    return tokens >= hidden
+#: The dim ``npu_swiglu`` splits ``gate_up_proj``'s ``[2, ..., I]`` output along.
+GATE_UP_DIM = 0
 
 
 def _search_silu_left(gate, up):
@@ -105,18 +79,23 @@ def _search_linear_left(x, w_gate, w_up):
 
 
 def _replace_linear(x, w_gate, w_up):
-    # Traced with the match's FakeTensors, so the layout is chosen per graph from its shapes.
-    if merge_weights(x, w_gate):
-        return torch.ops.npu.npu_swiglu.default(F.linear(x, torch.cat([w_gate, w_up], dim=0)), -1)
-    return _replace(F.linear(x, w_gate), F.linear(x, w_up))
+    return torch.ops.npu.npu_swiglu.default(gate_up_proj.OP(x, w_gate, w_up), GATE_UP_DIM).squeeze(GATE_UP_DIM)
 
 
 def check_swiglu(gate, up) -> str | None:
-    """Refusal reason for fusing ``silu(gate) * up`` (FakeTensors), or None to fuse.
+    """Refusal reason for fusing ``silu(gate) * up`` via ``cat([gate, up], -1)`` (FakeTensors), or None.
 
     Args:
         gate: ``[..., I]`` output of gate_proj; up: ``[..., I]`` output of up_proj.
     """
+    reason = _check_operands(gate, up)
+    if reason is not None:
+        return reason
+    # the op's own limits, on the input the rewrite builds: cat([gate, up], -1), contiguous, 2·I wide
+    return swiglu_violation(gate.new_empty((*gate.shape[:-1], 2 * gate.shape[-1])), -1)
+
+
+def _check_operands(gate, up) -> str | None:
     if not isinstance(gate, torch.Tensor) or not isinstance(up, torch.Tensor):
         return "gate or up is not a tensor"
     if gate.dtype != up.dtype:
@@ -125,8 +104,7 @@ def check_swiglu(gate, up) -> str | None:
         return f"shape mismatch (broadcasting): gate {tuple(gate.shape)}, up {tuple(up.shape)}"
     if gate.dim() < 1 or statically_known_true(gate.numel() == 0):
         return "empty or 0-d input"
-    # the op's own limits, on the input the rewrite builds: cat([gate, up], -1), contiguous, 2·I wide
-    return swiglu_violation(gate.new_empty((*gate.shape[:-1], 2 * gate.shape[-1])), -1)
+    return None
 
 
 def _check(match) -> str | None:
@@ -134,30 +112,25 @@ def _check(match) -> str | None:
 
 
 def check_swiglu_linear(x, w_gate, w_up) -> str | None:
-    """Refusal reason for fusing ``silu(linear(x, w_gate)) * linear(x, w_up)``, or None to fuse.
+    """Refusal reason for fusing ``silu(linear(x, w_gate)) * linear(x, w_up)`` into
+    ``npu_swiglu(gate_up_proj(x, w_gate, w_up), 0)``, or None to fuse.
 
     Args:
-        x: ``[..., H]``; w_gate, w_up: ``[I, H]`` weights of one dtype (a weight concatenation needs it).
+        x: ``[..., H]``; w_gate, w_up: ``[I, H]`` weights (FakeTensors; sizes may be symbolic).
     """
-    if not all(isinstance(t, torch.Tensor) for t in (x, w_gate, w_up)):
-        return "input or weights are not tensors"
-    if w_gate.dim() != 2 or w_gate.shape != w_up.shape or w_gate.dtype != w_up.dtype:
-        return f"gate/up weights differ: {tuple(w_gate.shape)} {w_gate.dtype}, {tuple(w_up.shape)} {w_up.dtype}"
-    if w_gate.device != w_up.device or x.dtype != w_gate.dtype:
-        return f"input {x.dtype} and weights {w_gate.dtype} differ in dtype (or weights in device)"
+    reason = gate_up_proj.gate_up_proj_violation(x, w_gate, w_up)
+    if reason is not None:
+        return reason
     gate = x.new_empty((*x.shape[:-1], w_gate.shape[0]))
-    return check_swiglu(gate, gate)
+    reason = _check_operands(gate, gate)
+    if reason is not None:
+        return reason
+    # npu_swiglu's own limits, on the buffer gate_up_proj writes: [2, ..., I], contiguous, split along 0
+    return swiglu_violation(x.new_empty((2, *gate.shape)), GATE_UP_DIM)
 
 
 def _check_linear(match) -> str | None:
-    x, w_gate, w_up = (meta_val(match.kwargs[name]) for name in ("x", "w_gate", "w_up"))
-    reason = check_swiglu_linear(x, w_gate, w_up)
-    if reason is None:
-        layout = LAYOUT_MERGED_WEIGHT if merge_weights(x, w_gate) else LAYOUT_ACTIVATION_CAT
-        anchor = next((n for n in match.nodes if n.target is aten.silu.default), match.nodes[-1])
-        log.debug("qwen_npu: swiglu at %s: %s (tokens x %s, hidden %s)", node_source(anchor), layout,
-                  tuple(x.shape[:-1]), w_gate.shape[1])
-    return reason
+    return check_swiglu_linear(*(meta_val(match.kwargs[name]) for name in ("x", "w_gate", "w_up")))
 
 
 def _examples():
@@ -169,7 +142,8 @@ def _linear_examples():
 
 
 class SwiGluFamily(FusionFamily):
-    """``silu(gate) * up`` -> ``npu_swiglu`` on a merged-weight matmul or ``cat([gate, up], -1)``; L per Qwen2 model."""
+    """``silu(gate) * up`` -> ``npu_swiglu`` on ``gate_up_proj``'s two halves, or on ``cat([gate, up], -1)``;
+    L per Qwen2 model."""
 
     name = "swiglu"
     anchor_ops = (aten.silu.default,)
@@ -179,9 +153,9 @@ class SwiGluFamily(FusionFamily):
 
     def iter_variants(self):
         # The graph is dtype-independent (no casts), so one trace per operand order covers all dtypes.
-        # The linear forms come first (variants of one output op are tried in registration order).
+        # The linear form comes first (variants of one output op are tried in registration order).
         yield PatternVariant("swiglu_linear_silu_left", _search_linear_left, _replace_linear, _linear_examples,
-                             _check_linear, why="Qwen2MLP with plain gate/up linears: layout chosen by shape")
+                             _check_linear, why="Qwen2MLP with plain gate/up linears: both written into one buffer")
         yield PatternVariant("swiglu_silu_left", _search_silu_left, _replace, _examples, _check,
                              why="Qwen2MLP: act_fn(gate_proj(x)) * up_proj(x)")
         yield PatternVariant("swiglu_silu_right", _search_silu_right, _replace, _examples, _check,

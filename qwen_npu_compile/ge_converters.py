@@ -24,6 +24,9 @@ What is registered, and why (torch_npu 2.13.0 and 2.9.0 wheels, ``torch_npu/dyna
   rotary fusion's form whose backward is the forward op again; converted by torchair's own
   ``npu_rotary_mul`` converter (RotaryMul on A2/A3), which has none of ``npu_rotary_mul_backward``'s
   converter limits.
+- ``qwen_npu.gate_up_proj`` (:mod:`qwen_npu_compile.npu_ops.gate_up_proj`): the SwiGLU fusion's buffer
+  of both projections; see :func:`_register_gate_up_proj` (BatchMatMulV2 twice, ConcatD along axis 0).
+  Its backward graph holds only ATen ``mm``/``add``/views, which torchair converts itself.
 
 Not registered, on purpose: the CPU SDPA ops (``aten._scaled_dot_product_flash_attention_for_cpu`` and
 its backward) have no torchair converter. They appear only when attention is left unfused *and* the
@@ -147,8 +150,42 @@ def _register_rotary_mul_orthogonal() -> None:
     register(rotary_mul_orthogonal.OP)(convert)
 
 
+def _register_gate_up_proj() -> None:
+    from .npu_ops import gate_up_proj
+
+    register, ge = _torchair_api()
+
+    def convert(x, w_gate, w_up, meta_outputs=None):
+        """qwen_npu.gate_up_proj -> ``ConcatD([BatchMatMulV2(x1, w_gate), BatchMatMulV2(x1, w_up)], 0)``.
+
+        ``x1 = Unsqueeze(x, axes=[0])`` (``[1, ..., H]``, as torchair's ``aten.unsqueeze`` converter
+        builds it), so each matmul (``adj_x2``: ``x1 @ w.T``, the 2-D weight broadcast over the batch
+        dims, as torchair's ``aten.matmul`` converter relies on for 3-D @ 2-D) writes a ``[1, ..., I]``
+        half, and the concatenation is along the outermost axis with the matmuls as its direct inputs.
+
+        Whether GE then writes both matmul outputs into the concat's output without a copy is **not
+        verified here** (it needs GE compilation on an NPU). Evidence: GE's "Concat No Task" feature
+        (CANN GE design doc ``docs/en/design/features/concat_no_task.md``, gitcode.com/cann/ge) turns a
+        ConcatD/ConcatV2D into a virtual op whose inputs are laid out in its output when: every dim
+        before ``concat_dim`` is 1 (true here: axis 0), no padding along it, every input 32-byte
+        aligned (``T·I·itemsize``: true for Qwen2 widths), inputs not from DATA/VARIABLE/CONST nodes nor
+        graph outputs, one memory type, and **static shapes only** ("不支持 Unknown Shape"). So with
+        ``dynamic=True`` (or any symbolic dim) the ConcatD is a real copy of ``2·T·I`` elements (what
+        the activation ``cat`` moved before); with static shapes we expect none. GE's own graph passes
+        (e.g. BatchMatMulV2ReshapeFusionPass, 3-D @ 2-D -> MatMul) may restructure the matmuls first;
+        whether the no-task condition then still holds is an assumption.
+        """
+        x1 = ge.Unsqueeze(x, axes=[0])
+        gate = ge.BatchMatMulV2(x1, w_gate, None, None, adj_x2=True)
+        up = ge.BatchMatMulV2(x1, w_up, None, None, adj_x2=True)
+        return ge.ConcatD([gate, up], concat_dim=0, N=2)
+
+    register(gate_up_proj.OP)(convert)
+
+
 _CONVERTERS = {
     "npu.npu_fusion_attention_grad": _register_fusion_attention_grad,
     "aten.silu_backward": _register_silu_backward,
     "qwen_npu.rotary_mul_orthogonal": _register_rotary_mul_orthogonal,
+    "qwen_npu.gate_up_proj": _register_gate_up_proj,
 }

@@ -1,5 +1,6 @@
-"""How a simulated stand-in op is defined in the ``npu`` library (the one place; each op module's
-``register`` calls it once per op).
+"""How an op is defined with torch.library (the one place): the simulated stand-ins in the ``npu``
+library (each op module's ``register`` calls it once per op) and this project's own ``qwen_npu`` ops
+that are defined by schema (:mod:`.gate_up_proj`).
 
 An op gets its exact torch_npu schema, a CPU reference kernel (``CompositeExplicitAutograd``: the same
 kernel for every backend key), a fake kernel for fake/meta tensors, and, for ops with a backward op,
@@ -24,8 +25,8 @@ def define_op(
     """Define the op of ``schema`` (``"name(args) -> returns"``) in ``lib`` with its kernels.
 
     Args:
-        lib: the ``torch.library.Library("npu", "FRAGMENT")`` that keeps the registrations alive.
-        schema: the torch_npu schema string (its name is the text before the first ``(``).
+        lib: the ``torch.library.Library(namespace, "FRAGMENT")`` that keeps the registrations alive.
+        schema: the op's schema string (for a stand-in: torch_npu's) (its name is the text before the first ``(``).
         kernel: the CPU reference kernel.
         fake: the fake kernel (output shapes, dtypes and strides only).
         backward, setup_context: autograd of the op (``torch.library.register_autograd``); None for an

@@ -3,7 +3,7 @@
 Each op's limits live in its own module (one function per op, kernel and torchair converter limits
 together): :func:`~.rotary_mul.rotary_mul_violation`, :func:`~.rms_norm.rms_norm_violation`,
 :func:`~.swiglu.swiglu_violation`, :func:`~.fusion_attention.call_violation`,
-:func:`~.add_rms_norm.add_rms_norm_violation`. This module only maps a
+:func:`~.add_rms_norm.add_rms_norm_violation`, :func:`~.gate_up_proj.gate_up_proj_violation`. This module only maps a
 node of a graph (the rewritten graph, or the forward/backward graphs torchair converts) to the right
 function, with the arguments bound by the op's schema and the tensors taken from ``meta["val"]``.
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.fx
 
-from . import add_rms_norm, fusion_attention, rms_norm, rotary_mul, swiglu
+from . import add_rms_norm, fusion_attention, gate_up_proj, rms_norm, rotary_mul, swiglu
 
 
 def _rotary(backward: bool):
@@ -47,6 +47,8 @@ CHECKS: dict[str, Callable[[dict, str | None], str | None]] = {
     "npu::npu_swiglu": lambda a, downstream: swiglu.swiglu_violation(a["self"], a.get("dim", -1), downstream=downstream),
     "npu::npu_swiglu_backward": lambda a, downstream: swiglu.swiglu_violation(
         a["self"], a.get("dim", -1), downstream=downstream),
+    "qwen_npu::gate_up_proj": lambda a, downstream: gate_up_proj.gate_up_proj_violation(
+        a["x"], a["w_gate"], a["w_up"], downstream=downstream),
     "npu::npu_fusion_attention": _attention,
     "npu::npu_fusion_attention_grad": _attention,
 }

@@ -99,9 +99,12 @@ def test_kernel_traffic_counts(results):
     assert _kernels(fw, "npu.npu_fusion_attention.default") == 1
     assert _kernels(bw, "npu.npu_fusion_attention_grad.default") == 1
     assert _kernels(fw, "aten.rsqrt.default") == 0 and _kernels(fw, "aten.silu.default") == 0
-    # the SwiGLU cat, counted as glue: of the weights here (T = 64 tokens >= H = 64), else of gate and up
-    assert _kernels(fw, "aten.cat.default") == 1
-    assert fw["by_op"]["aten.cat.default"]["glue_kernels"] == 1
+    # SwiGLU without any cat: gate_up_proj (a matmul kernel, no bytes counted) feeds npu_swiglu directly
+    assert _kernels(fw, "qwen_npu.gate_up_proj.default") == 1
+    assert fw["by_op"]["qwen_npu.gate_up_proj.default"]["category"] == "matmul"
+    assert fw["by_op"]["qwen_npu.gate_up_proj.default"]["bytes_read"] == 0
+    assert _kernels(fw, "aten.cat.default") == 0 and fw["bytes"]["glue"] == 0
+    assert fused["swiglu_forward_bytes_per_layer"]["input_glue"] == 0
 
     verl_fw = variants["verl"]["per_layer"]["forward"]
     assert _kernels(verl_fw, "npu.npu_rms_norm.default") == 2

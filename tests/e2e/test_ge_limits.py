@@ -295,7 +295,8 @@ def _convert(hidden: int, dtype: str, dynamic: bool, fusions: str = "all") -> li
                          ids=["d16-static", "d16-dynamic", "d64-static"])
 def test_training_graph_converts_with_torchair(npu_ops, hidden, dynamic):
     """Every fusion applied, forward and backward: 0 conversion failures; FlashAttentionScoreGrad (5
-    outputs via our converter) and RotaryMul (the orthogonal backward), no RotaryMulGrad."""
+    outputs via our converter), RotaryMul (the orthogonal backward), no RotaryMulGrad; SwiGlu on the
+    ConcatD of gate_up_proj's two matmuls."""
     [report] = _convert(hidden, "bfloat16", dynamic)
     assert report["failures"] == []
     assert report["fusions"] == {"rms_norm": 3, "swiglu": 1, "rotary": 2, "attention": 1}
@@ -303,6 +304,10 @@ def test_training_graph_converts_with_torchair(npu_ops, hidden, dynamic):
     assert ops["forward"]["FlashAttentionScore"] == 1 and ops["forward"]["RotaryMul"] == 2
     assert ops["backward"]["FlashAttentionScoreGrad"] == 1 and ops["backward"]["RotaryMul"] == 2
     assert "RotaryMulGrad" not in ops["backward"]
+    # SwiGLU: qwen_npu.gate_up_proj -> our converter's 2 BatchMatMulV2 + ConcatD (axis 0) -> SwiGlu;
+    # its backward is ATen mm/add, converted by torchair itself (MatMul)
+    assert (ops["forward"]["BatchMatMulV2"], ops["forward"]["ConcatD"], ops["forward"]["SwiGlu"]) == (2, 1, 1)
+    assert ops["backward"]["SwiGluGrad"] == 1 and "ConcatD" not in ops["backward"]
 
 
 def test_unfused_swiglu_backward_converts_with_torchair(npu_ops):

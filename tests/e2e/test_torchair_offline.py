@@ -255,6 +255,8 @@ def test_check_converts_a_fused_inference_graph(simulated_npu_ops, tiny_head_dim
     fused_ops = ("RmsNorm", "AddRmsNorm", "SwiGlu", "RotaryMul", "FlashAttentionScore")
     assert {op: ops.get(op, 0) for op in fused_ops} == {
         "RmsNorm": 1, "AddRmsNorm": 4, "SwiGlu": 2, "RotaryMul": 4, "FlashAttentionScore": 2}
+    # each SwiGLU reads qwen_npu.gate_up_proj: 2 BatchMatMulV2 and a ConcatD along axis 0 (ge_converters.py)
+    assert (ops.get("BatchMatMulV2", 0), ops.get("ConcatD", 0)) == (4, 2)
     assert result["versions"]["npu_ops"] == "simulated" and result["versions"]["torch_npu"] is None
     assert result["versions"]["torch"] == torch.__version__
 

@@ -131,7 +131,13 @@ from qwen_npu_compile.fusion import (
 from qwen_npu_compile.npu_ops.fusion_attention import GE_LAYOUTS, compressed_causal_mask, fusion_attention_violation
 from qwen_npu_compile.npu_ops.scalars import scalar_argument
 
-from .attention_mask import check_additive_mask, eager_fully_masked_rows, masked_out, share_mask_conversions
+from .attention_mask import (
+    causal_mask_reason,
+    check_additive_mask,
+    eager_fully_masked_rows,
+    masked_out,
+    share_mask_conversions,
+)
 
 aten = torch.ops.aten
 F = torch.nn.functional
@@ -391,9 +397,14 @@ def _replace_fn(row: Spelling):
         query, key, value = _autocast_cast(query, key, value)
         scale = _scale_for(scale)
         if row.impl == _SDPA:
+            if _CAUSAL_MASK.get():  # the explicit mask is provably causal: not read
+                return fused_attention(query, key, value, causal=True, scale=scale, dropout_p=dropout_p)
             causal = row.mask == "causal"
             return fused_attention(query, key, value, attn_mask, causal=causal, scale=scale, dropout_p=dropout_p)
-        out = fused_attention(query, key, value, attn_mask, scale=scale, dropout_p=dropout_p if row.dropout else 0.0)
+        dropout_p = dropout_p if row.dropout else 0.0
+        if _CAUSAL_MASK.get():  # provably causal with Sq == Skv: no row is fully masked
+            return fused_attention(query, key, value, causal=True, scale=scale, dropout_p=dropout_p)
+        out = fused_attention(query, key, value, attn_mask, scale=scale, dropout_p=dropout_p)
         # HF's eager softmax averages V on fully masked rows (left padding); the kernel gives 0 there
         return eager_fully_masked_rows(query, key, value, attn_mask, scale, out)
 
@@ -583,6 +594,21 @@ def _autocast_dtype(match, q, k, v) -> tuple[torch.dtype | None, str | None]:
     return dtype, None
 
 
+#: Set by a variant's check: True when the matched explicit mask is provably the plain causal mask
+#: (:func:`.attention_mask.causal_mask_reason`); the replacement then uses ``sparse_mode=2`` with the
+#: compressed mask and leaves the ``[B, 1, S, S]`` mask unread (it becomes dead code).
+_CAUSAL_MASK: contextvars.ContextVar[bool] = contextvars.ContextVar("qwen_npu_attention_causal", default=False)
+
+
+def _plain_causal(query, key, mask_node: torch.fx.Node) -> bool:
+    """Whether the explicit mask of an attention over ``query [B, Nq, Sq, D]`` and ``key [B, Nkv, Skv, D]``
+    is provably the plain causal mask with Sq == Skv (static sizes), so ``sparse_mode=2`` is exact."""
+    if causal_mask_reason(mask_node) is not None:  # the reason is logged there (debug)
+        return False
+    q_len, kv_len = query.shape[2], key.shape[2]
+    return isinstance(q_len, int) and q_len == kv_len == meta_val(mask_node).shape[-1]
+
+
 def _autocast_cast(*tensors):
     """q, k, v in the dtype autocast gives them (:data:`_AUTOCAST_DTYPE`), else unchanged."""
     dtype = _AUTOCAST_DTYPE.get()
@@ -619,6 +645,8 @@ def _check_fn(row: Spelling):
             reason = _repeat_kv_reason(match, q.shape[1])
         if reason is None and isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
             reason = check_additive_mask(mask_node)
+        # last (it may evaluate the mask): an explicit mask that is provably the plain causal one
+        _CAUSAL_MASK.set(reason is None and isinstance(mask_node, torch.fx.Node) and _plain_causal(q, k, mask_node))
         return reason
 
     return check

@@ -74,6 +74,19 @@ Shape 2 (``is_causal=True``) gets ``atten_mask = ones(2048, 2048, bool).triu(1)`
 backward) with ``sparse_mode=2``; the eager chain gets ``atten_mask = mask != 0``. Inputs that are not all
 dense BSND (the KV cache's ``cat`` outputs are BNSD-contiguous) take ``'BNSD'`` and ``.contiguous()``.
 
+An explicit mask (shape 1, or the eager chain's additive mask) that is provably the plain causal mask
+gets the same ``sparse_mode=2`` and compressed mask instead of ``logical_not(mask)`` (the eager chain then
+has no fully masked row to recompute): the mask is a graph constant built from sizes only (no padding
+mask, no user-passed position ids, static S) and its compile-time value is ``tril(ones(S, S))``
+(:func:`.attention_mask.causal_mask_reason`). That is what transformers 5.x builds for every compiled
+training forward without ``attention_mask`` (its packed-sequence mask from the default position ids) and
+4.57 for every compiled forward; the ``[B, 1, S, S]`` mask subgraph then becomes dead code. Which form was
+chosen, and why an explicit mask was kept, is logged at DEBUG (logger
+``qwen_npu_compile.patterns.attention_mask``) and visible in the dump's ``rewritten.py`` (``sparse_mode``).
+Padding and packed sequences keep the explicit mask: the kernel's ``actual_seq_qlen``/``actual_seq_kvlen``
+(varlen) work only in the TND layout, which torchair's GE converter refuses (BSH and BNSD only), and in
+BSH/BNSD key padding has no other form than an S×S mask.
+
 Constraints (``shared/reference/npu-op-contracts.md``; torch_npu 2.13.0 ``npu_fusion_attention`` docs,
 Meta kernel and torchair GE converter). Every limit of the op lives in
 :func:`~qwen_npu_compile.npu_ops.fusion_attention.fusion_attention_violation`; what the masks need lives
@@ -84,7 +97,8 @@ in :mod:`.attention_mask`. This module adds what the *rewrite* needs:
   (:func:`_repeat_kv_reason`).
 - ``atten_mask`` is bool with **True = masked out** (:func:`.attention_mask.masked_out`); an additive
   float mask must be provably 0 / ``finfo.min`` (:func:`.attention_mask.check_additive_mask`).
-  ``is_causal`` (left-up, as in PyTorch) is ``sparse_mode=2`` with the 2048x2048 compressed mask.
+  ``is_causal`` (left-up, as in PyTorch), and an explicit mask proven to be ``tril`` with Sq == Skv, is
+  ``sparse_mode=2`` with the 2048x2048 compressed mask (what the torch_npu docs require for mode 2).
   ``scale`` defaults to 1.0 in the op: always passed explicitly, as a Python float
   (:func:`~qwen_npu_compile.npu_ops.scalars.scalar_argument`).
 - ``inner_precise=2`` with an explicit mask: left padding masks whole query rows, which only mode 2

@@ -16,6 +16,10 @@ This module holds what the rewrite needs to know about them:
   exact boolean mask;
 - :func:`masked_out` converts either mask into ``atten_mask``;
 - :func:`share_mask_conversions` computes that conversion once per graph instead of once per layer;
+- :func:`causal_mask_reason` proves that a mask is the plain causal mask (``tril``, Sq == Skv): the
+  attention then takes ``sparse_mode=2`` with the compressed 2048x2048 mask instead, and the
+  ``[B, 1, S, S]`` mask and its subgraph become dead code (transformers 5.x builds one in every compiled
+  forward without padding: 1 GiB at S=32768);
 - :func:`eager_fully_masked_rows` gives the rows HF's eager chain computes where the mask hides every
   key (left padding), which the kernel computes as 0.
 """
@@ -26,6 +30,7 @@ import logging
 import math
 import operator
 import time
+import weakref
 
 import torch
 import torch.fx
@@ -215,6 +220,10 @@ def eager_fully_masked_rows(query, key, value, attn_mask, scale, out):
 #: Larger tensors of the mask's subgraph are computed in blocks of query rows of about this size.
 EVAL_BLOCK_ELEMENTS = 1 << 24
 
+#: The largest mask (elements) the causal proof evaluates: 4 Gi elements (B·S² with B=4 at S=32768), a few
+#: tens of seconds of compile time on 2 cores; larger masks keep the explicit mask without trying.
+EVAL_MAX_ELEMENTS = 1 << 32
+
 #: Ops that fill memory without initialising it: their value is not a function of the graph.
 _UNINITIALISED = (
     aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default, aten.empty_strided.default,
@@ -238,9 +247,11 @@ _REGROUP = (
     aten.squeeze.dim, aten.alias.default, aten.clone.default, aten.contiguous.default,
 )  # fmt: skip
 
-#: ``node.meta`` key of a mask's base node (its first non-view ancestor): ``{repr(view_key(mask)): reason}``,
-#: so a mask shared by every layer (or every layer's identical view of it) is evaluated once per graph.
-_PROOFS_META = "qwen_npu_causal_mask_proofs"
+#: Per graph object (weakly: a freed graph drops its entry): ``{repr(view_key(mask)): reason}``, so a mask
+#: shared by every layer (or every layer's identical view of it) is evaluated once per graph. The keys are
+#: strings (node names are unique in a graph), so nothing here keeps a graph alive; a copy of the graph
+#: (``deepcopy``, ``graph_copy``) is a new object and is proven afresh.
+_PROOFS: weakref.WeakKeyDictionary[torch.fx.Graph, dict[str, str | None]] = weakref.WeakKeyDictionary()
 
 
 def causal_mask_reason(mask: torch.fx.Node) -> str | None:
@@ -263,7 +274,8 @@ def causal_mask_reason(mask: torch.fx.Node) -> str | None:
     Tensors larger than :data:`EVAL_BLOCK_ELEMENTS` elements are computed in blocks of query rows, which
     needs them to be ``[..., Sq, Skv]`` tensors made by pointwise ops, ``expand`` and leading-dim views
     (how transformers builds masks); otherwise the proof gives up. Memory stays bounded (S=32768: 64
-    blocks of 512 rows); see README for the measured time.
+    blocks of 512 rows); the time grows with B·S² (README: 10 s at B=1, S=32768 on a loaded 2-core
+    host), so masks above :data:`EVAL_MAX_ELEMENTS` are not evaluated.
 
     Args:
         mask: the attention's mask node: SDPA's bool mask (True = attend) or an additive float mask that
@@ -272,10 +284,7 @@ def causal_mask_reason(mask: torch.fx.Node) -> str | None:
     Returns:
         None when the mask equals the plain causal mask, else a one-line reason (the explicit mask is kept).
     """
-    base = mask
-    while base.op == "call_function" and isinstance(base.target, torch._ops.OpOverload) and base.target.is_view:
-        base = base.args[0]
-    proofs = base.meta.setdefault(_PROOFS_META, {})
+    proofs = _PROOFS.setdefault(mask.graph, {})
     key = repr(view_key(mask))
     if key not in proofs:
         start = time.perf_counter()
@@ -368,6 +377,11 @@ def _causal_mask_reason(mask: torch.fx.Node) -> str | None:
         return f"mask {mask.name} has a symbolic shape (dynamic sequence length): its values are not a constant"
     if len(shape) < 2 or shape[-2] != shape[-1]:
         return f"mask {mask.name} of shape {tuple(shape)} is not square (Sq != Skv, e.g. a KV cache)"
+    if meta_val(mask).numel() > EVAL_MAX_ELEMENTS:
+        return (
+            f"mask {mask.name} of shape {tuple(shape)} has more than {EVAL_MAX_ELEMENTS} elements: too costly to "
+            "evaluate at compile time"
+        )
     nodes = _ancestors(mask)
     for node in nodes:
         reason = _node_reason(node)

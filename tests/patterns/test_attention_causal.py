@@ -166,6 +166,15 @@ def test_hand_written_tril_mask_is_causal(npu_ops, rewritten):
     assert _compiled_calls(fn, rewritten) == [CAUSAL]
 
 
+def test_mask_above_the_evaluation_cap_stays_explicit(npu_ops, rewritten, monkeypatch):
+    monkeypatch.setattr(attention_mask, "EVAL_MAX_ELEMENTS", SEQ * SEQ - 1)
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(SEQ, SEQ, dtype=torch.bool).tril())
+
+    assert _compiled_calls(fn, rewritten) == [(0, (SEQ, SEQ))]
+
+
 @pytest.mark.parametrize(
     "build",
     [

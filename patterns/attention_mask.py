@@ -220,8 +220,8 @@ def eager_fully_masked_rows(query, key, value, attn_mask, scale, out):
 #: Larger tensors of the mask's subgraph are computed in blocks of query rows of about this size.
 EVAL_BLOCK_ELEMENTS = 1 << 24
 
-#: The largest mask (elements) the causal proof evaluates: 4 Gi elements (B·S² with B=4 at S=32768), a few
-#: tens of seconds of compile time on 2 cores; larger masks keep the explicit mask without trying.
+#: The largest mask (elements) the causal proof evaluates: 4 Gi elements (B·S² with B=4 at S=32768), about
+#: 5 s of compile time on 2 idle cores; larger masks keep the explicit mask without trying.
 EVAL_MAX_ELEMENTS = 1 << 32
 
 #: Ops that fill memory without initialising it: their value is not a function of the graph.
@@ -274,8 +274,8 @@ def causal_mask_reason(mask: torch.fx.Node) -> str | None:
     Tensors larger than :data:`EVAL_BLOCK_ELEMENTS` elements are computed in blocks of query rows, which
     needs them to be ``[..., Sq, Skv]`` tensors made by pointwise ops, ``expand`` and leading-dim views
     (how transformers builds masks); otherwise the proof gives up. Memory stays bounded (S=32768: 64
-    blocks of 512 rows); the time grows with B·S² (README: 10 s at B=1, S=32768 on a loaded 2-core
-    host), so masks above :data:`EVAL_MAX_ELEMENTS` are not evaluated.
+    blocks of 512 rows); the time grows with B·S² (README: 1.3 s at B=1, S=32768 on 2 idle cores), so
+    masks above :data:`EVAL_MAX_ELEMENTS` are not evaluated.
 
     Args:
         mask: the attention's mask node: SDPA's bool mask (True = attend) or an additive float mask that

@@ -74,6 +74,19 @@ Shape 2 (``is_causal=True``) gets ``atten_mask = ones(2048, 2048, bool).triu(1)`
 backward) with ``sparse_mode=2``; the eager chain gets ``atten_mask = mask != 0``. Inputs that are not all
 dense BSND (the KV cache's ``cat`` outputs are BNSD-contiguous) take ``'BNSD'`` and ``.contiguous()``.
 
+An explicit mask (shape 1, or the eager chain's additive mask) that is provably the plain causal mask
+gets the same ``sparse_mode=2`` and compressed mask instead of ``logical_not(mask)`` (the eager chain then
+has no fully masked row to recompute): the mask is a graph constant built from sizes only (no padding
+mask, no user-passed position ids, static S) and its compile-time value is ``tril(ones(S, S))``
+(:func:`.attention_mask.causal_mask_reason`). That is what transformers 5.x builds for every compiled
+training forward without ``attention_mask`` (its packed-sequence mask from the default position ids) and
+4.57 for every compiled forward; the ``[B, 1, S, S]`` mask subgraph then becomes dead code. Which form was
+chosen, and why an explicit mask was kept, is logged at DEBUG (logger
+``qwen_npu_compile.patterns.attention_mask``) and visible in the dump's ``rewritten.py`` (``sparse_mode``).
+Padding and packed sequences keep the explicit mask: the kernel's ``actual_seq_qlen``/``actual_seq_kvlen``
+(varlen) work only in the TND layout, which torchair's GE converter refuses (BSH and BNSD only), and in
+BSH/BNSD key padding has no other form than an S×S mask.
+
 Constraints (``shared/reference/npu-op-contracts.md``; torch_npu 2.13.0 ``npu_fusion_attention`` docs,
 Meta kernel and torchair GE converter). Every limit of the op lives in
 :func:`~qwen_npu_compile.npu_ops.fusion_attention.fusion_attention_violation`; what the masks need lives
@@ -84,7 +97,8 @@ in :mod:`.attention_mask`. This module adds what the *rewrite* needs:
   (:func:`_repeat_kv_reason`).
 - ``atten_mask`` is bool with **True = masked out** (:func:`.attention_mask.masked_out`); an additive
   float mask must be provably 0 / ``finfo.min`` (:func:`.attention_mask.check_additive_mask`).
-  ``is_causal`` (left-up, as in PyTorch) is ``sparse_mode=2`` with the 2048x2048 compressed mask.
+  ``is_causal`` (left-up, as in PyTorch), and an explicit mask proven to be ``tril`` with Sq == Skv, is
+  ``sparse_mode=2`` with the 2048x2048 compressed mask (what the torch_npu docs require for mode 2).
   ``scale`` defaults to 1.0 in the op: always passed explicitly, as a Python float
   (:func:`~qwen_npu_compile.npu_ops.scalars.scalar_argument`).
 - ``inner_precise=2`` with an explicit mask: left padding masks whole query rows, which only mode 2
@@ -131,7 +145,13 @@ from qwen_npu_compile.fusion import (
 from qwen_npu_compile.npu_ops.fusion_attention import GE_LAYOUTS, compressed_causal_mask, fusion_attention_violation
 from qwen_npu_compile.npu_ops.scalars import scalar_argument
 
-from .attention_mask import check_additive_mask, eager_fully_masked_rows, masked_out, share_mask_conversions
+from .attention_mask import (
+    causal_mask_reason,
+    check_additive_mask,
+    eager_fully_masked_rows,
+    masked_out,
+    share_mask_conversions,
+)
 
 aten = torch.ops.aten
 F = torch.nn.functional
@@ -391,9 +411,14 @@ def _replace_fn(row: Spelling):
         query, key, value = _autocast_cast(query, key, value)
         scale = _scale_for(scale)
         if row.impl == _SDPA:
+            if _CAUSAL_MASK.get():  # the explicit mask is provably causal: not read
+                return fused_attention(query, key, value, causal=True, scale=scale, dropout_p=dropout_p)
             causal = row.mask == "causal"
             return fused_attention(query, key, value, attn_mask, causal=causal, scale=scale, dropout_p=dropout_p)
-        out = fused_attention(query, key, value, attn_mask, scale=scale, dropout_p=dropout_p if row.dropout else 0.0)
+        dropout_p = dropout_p if row.dropout else 0.0
+        if _CAUSAL_MASK.get():  # provably causal with Sq == Skv: no row is fully masked
+            return fused_attention(query, key, value, causal=True, scale=scale, dropout_p=dropout_p)
+        out = fused_attention(query, key, value, attn_mask, scale=scale, dropout_p=dropout_p)
         # HF's eager softmax averages V on fully masked rows (left padding); the kernel gives 0 there
         return eager_fully_masked_rows(query, key, value, attn_mask, scale, out)
 
@@ -583,6 +608,21 @@ def _autocast_dtype(match, q, k, v) -> tuple[torch.dtype | None, str | None]:
     return dtype, None
 
 
+#: Set by a variant's check: True when the matched explicit mask is provably the plain causal mask
+#: (:func:`.attention_mask.causal_mask_reason`); the replacement then uses ``sparse_mode=2`` with the
+#: compressed mask and leaves the ``[B, 1, S, S]`` mask unread (it becomes dead code).
+_CAUSAL_MASK: contextvars.ContextVar[bool] = contextvars.ContextVar("qwen_npu_attention_causal", default=False)
+
+
+def _plain_causal(query, key, mask_node: torch.fx.Node) -> bool:
+    """Whether the explicit mask of an attention over ``query [B, Nq, Sq, D]`` and ``key [B, Nkv, Skv, D]``
+    is provably the plain causal mask with Sq == Skv (static sizes), so ``sparse_mode=2`` is exact."""
+    if causal_mask_reason(mask_node) is not None:  # the reason is logged there (debug)
+        return False
+    q_len, kv_len = query.shape[2], key.shape[2]
+    return isinstance(q_len, int) and q_len == kv_len == meta_val(mask_node).shape[-1]
+
+
 def _autocast_cast(*tensors):
     """q, k, v in the dtype autocast gives them (:data:`_AUTOCAST_DTYPE`), else unchanged."""
     dtype = _AUTOCAST_DTYPE.get()
@@ -619,6 +659,8 @@ def _check_fn(row: Spelling):
             reason = _repeat_kv_reason(match, q.shape[1])
         if reason is None and isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
             reason = check_additive_mask(mask_node)
+        # last (it may evaluate the mask): an explicit mask that is provably the plain causal one
+        _CAUSAL_MASK.set(reason is None and isinstance(mask_node, torch.fx.Node) and _plain_causal(q, k, mask_node))
         return reason
 
     return check

@@ -37,7 +37,8 @@ Counting rules (:func:`classify`, :func:`node_bytes`):
   ``vector`` (everything else: elementwise, reductions, casts, copies, cat, mask building).
 * Bytes of a kernel = bytes of its tensor inputs (each argument once, broadcast (stride-0) dims
   counted once: an ``expand``-ed input reads its un-expanded storage) + bytes of its tensor outputs,
-  from ``meta["val"]`` (numel x itemsize). Matmuls are not counted. Attention kernels are reported in
+  from ``meta["val"]`` (numel x itemsize); the compressed causal mask of ``npu_fusion_attention``'s
+  sparse modes 2/3 counts ``min(2048², Sq·Skv)`` bytes (:func:`_compressed_mask_bytes`). Matmuls are not counted. Attention kernels are reported in
   their own column: their internal traffic (score tiles) depends on the kernel, and on this CPU host
   SDPA lowers to ``_scaled_dot_product_flash_attention_for_cpu``, a stand-in for whatever the NPU's
   SDPA dispatches to.
@@ -236,10 +237,40 @@ def _unique_bytes(tensor: torch.Tensor) -> int:
     return numel * tensor.element_size()
 
 
+#: npu_fusion_attention's sparse modes that take the compressed causal mask (torch_npu 2.13.0 docs).
+_COMPRESSED_MASK_SPARSE_MODES = (2, 3)
+
+
+def _compressed_mask_bytes(node: torch.fx.Node) -> tuple[torch.fx.Node | None, int]:
+    """``(mask node, bytes)`` an ``npu_fusion_attention``/``_grad`` call reads of its compressed causal mask.
+
+    With ``sparse_mode`` 2 or 3 the kernel skips the blocks above the diagonal and applies the
+    ``[2048, 2048]`` compressed mask only to the diagonal blocks of its ``Sq x Skv`` window (torch_npu
+    2.13.0 ``npu_fusion_attention`` docs, sparse_mode), so it reads at most ``min(2048², Sq·Skv)`` of
+    its bytes: counting the whole 4 MiB would charge a short sequence more than an explicit S×S mask.
+    ``(None, 0)`` for any other node.
+    """
+    if not (isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "npu"
+            and node.target.name().split("::")[-1] in ("npu_fusion_attention", "npu_fusion_attention_grad")):
+        return None, 0
+    bound = {**dict(zip((a.name for a in node.target._schema.arguments), node.args)), **node.kwargs}
+    mask = bound.get("atten_mask")
+    if bound.get("sparse_mode") not in _COMPRESSED_MASK_SPARSE_MODES or not isinstance(mask, torch.fx.Node):
+        return None, 0
+    query, key = bound["query"].meta["val"], bound["key"].meta["val"]
+    seq_dim = 1 if bound["input_layout"] in ("BSH", "BSND") else 2  # BNSD
+    window = int(query.shape[seq_dim]) * int(key.shape[seq_dim])
+    return mask, min(_unique_bytes(mask.meta["val"]), window * mask.meta["val"].element_size())
+
+
 def node_bytes(node: torch.fx.Node) -> tuple[int, int]:
     """``(bytes read, bytes written)`` by ``node`` (see the module docstring for the rules)."""
     read = 0
+    compressed_mask, compressed_bytes = _compressed_mask_bytes(node)
     for arg in _node_args(node):
+        if arg is compressed_mask:
+            read += compressed_bytes
+            continue
         for tensor in _tensors(arg.meta.get("val")):
             read += _unique_bytes(tensor)
     written = sum(int(t.numel()) * t.element_size() for t in _tensors(node.meta.get("val")))

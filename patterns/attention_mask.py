@@ -139,27 +139,43 @@ def masked_out(attn_mask: torch.Tensor) -> torch.Tensor:
     return converted.contiguous()
 
 
+#: What :func:`~qwen_npu_compile.npu_ops.fusion_attention.compressed_causal_mask` leaves in the graph for
+#: every causal attention: ``triu(ones(2048, 2048, bool), 1)``.
+COMPRESSED_MASK_OPS = (aten.ones.default, aten.triu.default)
+
+
+def _only_feeds_attention(node: torch.fx.Node) -> bool:
+    """Whether every use of ``node`` is a fused attention, directly or through shared mask nodes."""
+    fused = torch.ops.npu.npu_fusion_attention.default
+    return bool(node.users) and all(
+        user.target is fused
+        or (user.target in MASK_CONVERSIONS + COMPRESSED_MASK_OPS and _only_feeds_attention(user))
+        for user in node.users
+    )
+
+
 def share_mask_conversions(graph: torch.fx.Graph) -> int:
     """Compute each mask conversion once per graph: every layer's ``logical_not(mask)`` of the one shared
-    mask (or ``mask != 0``) feeding ``npu_fusion_attention`` is replaced by the first one.
+    mask (or ``mask != 0``) feeding ``npu_fusion_attention`` is replaced by the first one, and so is every
+    layer's compressed causal mask (``triu(ones(2048, 2048, bool), 1)``, 4 MiB written twice per layer).
 
     Each replacement converts its own mask (the pattern replaces one attention at a time), so a model
     whose layers share one ``[B, 1, S, S]`` mask would convert it once per layer (``B·S²`` bytes read
     and written each time: 32 MiB per layer at S=4096) and save one copy per layer for the backward.
     Identical (op, input) pairs compute identical tensors, so sharing them is exact; inputs that are
     identical views of one tensor count as identical (:func:`~qwen_npu_compile.fusion.view_key`:
-    transformers 4.5x slices the shared mask in every layer).
+    transformers 4.5x slices the shared mask in every layer). Nodes are visited in graph order, so the
+    first of a kind precedes every use of the later ones.
 
     Returns:
         How many conversions were removed.
     """
     first: dict[tuple, torch.fx.Node] = {}
     removed = 0
-    fused = torch.ops.npu.npu_fusion_attention.default
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in MASK_CONVERSIONS:
+        if node.op != "call_function" or node.target not in MASK_CONVERSIONS + COMPRESSED_MASK_OPS:
             continue
-        if not node.users or not all(user.target is fused for user in node.users):
+        if not _only_feeds_attention(node):
             continue
         key = (node.target, view_key(node.args), view_key(tuple(sorted(node.kwargs.items()))))
         if key not in first:

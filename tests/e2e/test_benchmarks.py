@@ -165,6 +165,8 @@ def test_inference_rows_and_verl_step(results):
     for name, entry in variants.items():
         train = model["variants"][name]["bytes_per_layer"]["total"]
         assert entry["bytes_per_layer"] == train + 2 * infer["variants"][name]["bytes_per_layer"]["total"]
-        assert entry["bytes_per_step"] > step["layers"] * entry["bytes_per_layer"] - 1
-    assert variants["eager"]["bytes_per_step"] > variants["qwen_npu"]["bytes_per_step"]
+        assert entry["bytes_per_step"] == step["layers"] * entry["bytes_per_layer"] + entry["per_forward_bytes"]  # all 3 forwards
+    assert variants["eager"]["bytes_per_layer"] > variants["qwen_npu"]["bytes_per_layer"]
+    # at the smoke test's S=64 the per-forward work is not comparable: the provably causal mask becomes the
+    # kernel's 2048x2048 compressed mask (built once per forward, 12 MiB moved) instead of a 64x64 mask
 

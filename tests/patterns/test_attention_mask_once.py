@@ -33,3 +33,31 @@ def test_one_mask_conversion_for_all_layers(npu_ops, monkeypatch, train):
     assert len(masks) == 1  # every layer's npu_fusion_attention reads the same converted mask
     (node,) = masks
     assert node.target is torch.ops.aten.logical_not.default
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "infer"])
+def test_one_compressed_causal_mask_for_all_layers(npu_ops, monkeypatch, train):
+    """Without a padding mask the mask is provably causal: every layer takes sparse_mode 2 and the
+    2048x2048 compressed mask, built once per graph (ones + triu), not once per layer."""
+    from qwen_npu_compile import backend
+
+    graphs = []
+    original = backend.rewrite
+
+    def spy(*args, **kwargs):
+        report, gm = original(*args, **kwargs)
+        graphs.append(gm)
+        return report, gm
+
+    monkeypatch.setattr(backend, "rewrite", spy)
+    model = tiny_qwen2(torch.float32, num_hidden_layers=LAYERS).train(train)
+    reports = assert_parity(model, torch.randint(0, 128, (2, 16)), train, torch.float32, options={"downstream": "aot_eager"})
+    assert [r.fusions["attention"] for r in reports] == [LAYERS]
+    (gm,) = graphs
+    fused = gm.graph.find_nodes(op="call_function", target=torch.ops.npu.npu_fusion_attention.default)
+    bound = [{**dict(zip((a.name for a in n.target._schema.arguments), n.args)), **n.kwargs} for n in fused]
+    masks = {b["atten_mask"] for b in bound}
+    assert [b["sparse_mode"] for b in bound] == [2] * LAYERS
+    assert len(masks) == 1 and [tuple(m.meta["val"].shape) for m in masks] == [(2048, 2048)]
+    assert len(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.ones.default)) == 1
+    assert len(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.triu.default)) == 1

@@ -7,7 +7,7 @@ BENCH_QUICK_OUT ?= /tmp/qwen_npu_bench_quick
 .PHONY: test bench bench-quick
 
 test:
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile
 
 bench:
 	$(PYTHON) -m benchmarks.run --out $(BENCH_OUT)

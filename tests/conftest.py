@@ -31,6 +31,23 @@ def npu_ops():
     return ensure_npu_ops()
 
 
+@pytest.fixture
+def rewritten(monkeypatch):
+    """The rewritten (fused) graphs of the test's compiles, in order (a spy on ``backend.rewrite``)."""
+    from qwen_npu_compile import backend
+
+    graphs = []
+    original = backend.rewrite
+
+    def spy(*args, **kwargs):
+        report, gm = original(*args, **kwargs)
+        graphs.append(gm)
+        return report, gm
+
+    monkeypatch.setattr(backend, "rewrite", spy)
+    return graphs
+
+
 @pytest.fixture(scope="session")
 def simulated_npu_ops(npu_ops):
     """For tests of the CPU stand-ins themselves: skipped where the real torch_npu is present."""

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 
 from conftest import assert_parity
-from qwen_npu_compile import backend
 from qwen_npu_compile.check.models import tiny_qwen2
 from qwen_npu_compile.patterns import attention_mask
 
@@ -22,21 +21,6 @@ GQA64 = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
 CAUSAL = (2, (2048, 2048))
 EXPLICIT = (0, (BATCH, 1, SEQ, SEQ))
 OPTIONS = {"downstream": "aot_eager"}
-
-
-@pytest.fixture
-def rewritten(monkeypatch):
-    """The rewritten (fused) graphs of the compiles in the test, in order."""
-    graphs = []
-    original = backend.rewrite
-
-    def spy(*args, **kwargs):
-        report, gm = original(*args, **kwargs)
-        graphs.append(gm)
-        return report, gm
-
-    monkeypatch.setattr(backend, "rewrite", spy)
-    return graphs
 
 
 def _attention_calls(gm) -> list[tuple]:

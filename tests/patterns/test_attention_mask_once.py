@@ -10,50 +10,29 @@ LAYERS = 3
 
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "infer"])
-def test_one_mask_conversion_for_all_layers(npu_ops, monkeypatch, train):
-    from qwen_npu_compile import backend
-
-    conversions = []
-    original = backend.rewrite
-
-    def spy(*args, **kwargs):
-        report, gm = original(*args, **kwargs)
-        fused = gm.graph.find_nodes(op="call_function", target=torch.ops.npu.npu_fusion_attention.default)
-        conversions.append({node.kwargs.get("atten_mask", node.args[7] if len(node.args) > 7 else None) for node in fused})
-        return report, gm
-
-    monkeypatch.setattr(backend, "rewrite", spy)
+def test_one_mask_conversion_for_all_layers(npu_ops, rewritten, train):
     model = tiny_qwen2(torch.float32, num_hidden_layers=LAYERS).train(train)
     ids = torch.randint(0, 128, (2, 16))
     mask = torch.ones(2, 16, dtype=torch.long)
     mask[0, :5] = 0  # left padding: an explicit mask reaches every layer
     reports = assert_parity(model, ids, train, torch.float32, options={"downstream": "aot_eager"}, attention_mask=mask)
     assert [r.fusions["attention"] for r in reports] == [LAYERS]
-    (masks,) = conversions
+    (gm,) = rewritten
+    fused = gm.graph.find_nodes(op="call_function", target=torch.ops.npu.npu_fusion_attention.default)
+    masks = {node.kwargs.get("atten_mask", node.args[7] if len(node.args) > 7 else None) for node in fused}
     assert len(masks) == 1  # every layer's npu_fusion_attention reads the same converted mask
     (node,) = masks
     assert node.target is torch.ops.aten.logical_not.default
 
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "infer"])
-def test_one_compressed_causal_mask_for_all_layers(npu_ops, monkeypatch, train):
+def test_one_compressed_causal_mask_for_all_layers(npu_ops, rewritten, train):
     """Without a padding mask the mask is provably causal: every layer takes sparse_mode 2 and the
     2048x2048 compressed mask, built once per graph (ones + triu), not once per layer."""
-    from qwen_npu_compile import backend
-
-    graphs = []
-    original = backend.rewrite
-
-    def spy(*args, **kwargs):
-        report, gm = original(*args, **kwargs)
-        graphs.append(gm)
-        return report, gm
-
-    monkeypatch.setattr(backend, "rewrite", spy)
     model = tiny_qwen2(torch.float32, num_hidden_layers=LAYERS).train(train)
     reports = assert_parity(model, torch.randint(0, 128, (2, 16)), train, torch.float32, options={"downstream": "aot_eager"})
     assert [r.fusions["attention"] for r in reports] == [LAYERS]
-    (gm,) = graphs
+    (gm,) = rewritten
     fused = gm.graph.find_nodes(op="call_function", target=torch.ops.npu.npu_fusion_attention.default)
     bound = [{**dict(zip((a.name for a in n.target._schema.arguments), n.args)), **n.kwargs} for n in fused]
     masks = {b["atten_mask"] for b in bound}

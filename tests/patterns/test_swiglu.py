@@ -46,23 +46,6 @@ def _mlp_cats(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return found
 
 
-@pytest.fixture
-def rewritten(monkeypatch):
-    """The rewritten graphs of the compiles in the test (spied on ``backend.rewrite``)."""
-    from qwen_npu_compile import backend
-
-    graphs = []
-    original = backend.rewrite
-
-    def spy(*args, **kwargs):
-        report, gm = original(*args, **kwargs)
-        graphs.append(gm)
-        return report, gm
-
-    monkeypatch.setattr(backend, "rewrite", spy)
-    return graphs
-
-
 @pytest.mark.parametrize("seq_len", [16, 48], ids=["T<H", "T>H"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("train", [True, False], ids=["train", "infer"])

@@ -30,7 +30,7 @@ The kernel returns x's dtype, while HF promotes ``fp32 weight * bf16`` to fp32: 
 the result to the promoted dtype (the kernel computes in fp32 and rounds once, about 1 ulp from HF,
 which rounds before the weight multiply). The anchor is ``aten.rsqrt``.
 
-Inference graphs (:func:`graph_needs_autograd` is False): after the pattern pass, a fused norm whose
+Inference graphs (:func:`~qwen_npu_compile.fusion.graph_needs_autograd` is False): after the pattern pass, a fused norm whose
 input is the residual add ``x1 + x2`` becomes ``npu_add_rms_norm`` (:func:`fuse_residual_adds`)::
 
     add = aten.add.Tensor(residual, linear)                  # also the next residual
@@ -61,7 +61,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from qwen_npu_compile.fusion import FamilyPass, FusionFamily, PatternVariant, meta_val, node_source
+from qwen_npu_compile.fusion import FamilyPass, FusionFamily, PatternVariant, graph_needs_autograd, meta_val, node_source
 from qwen_npu_compile.npu_ops.add_rms_norm import add_rms_norm_violation
 from qwen_npu_compile.npu_ops.rms_norm import rms_norm_violation
 from qwen_npu_compile.npu_ops.scalars import scalar_argument
@@ -124,20 +124,6 @@ def _check(match) -> str | None:
         return reason
     _EPS_CONSTANT.set(eps if eps is not match.kwargs.get("eps") else None)
     return check_rms_norm(meta_val(match.kwargs["x"]), meta_val(match.kwargs["weight"]))
-
-
-def graph_needs_autograd(graph: torch.fx.Graph) -> bool:
-    """Whether the graph being compiled may be differentiated: grad mode is on (now, at compile time:
-    Dynamo guards it) and some graph input requires grad (guarded per input by Dynamo)."""
-    if not torch.is_grad_enabled():
-        return False
-    for node in graph.find_nodes(op="placeholder"):
-        # make_fx's placeholder FakeTensors drop requires_grad; its tensor_meta records the input's
-        tensor_meta = node.meta.get("tensor_meta")
-        value = node.meta.get("val")
-        if getattr(tensor_meta, "requires_grad", False) or (isinstance(value, torch.Tensor) and value.requires_grad):
-            return True
-    return False
 
 
 def _residual_add(node) -> tuple[torch.fx.Node, torch.fx.Node] | None:

@@ -76,7 +76,14 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from qwen_npu_compile.compat import guard_or_false
-from qwen_npu_compile.fusion import FusionFamily, PatternVariant, current_target, meta_val, region_operands
+from qwen_npu_compile.fusion import (
+    FusionFamily,
+    PatternVariant,
+    current_target,
+    graph_needs_autograd,
+    meta_val,
+    region_operands,
+)
 from qwen_npu_compile.npu_ops import rotary_mul_orthogonal
 from qwen_npu_compile.npu_ops.rotary_mul import rotary_mul_violation
 
@@ -253,7 +260,9 @@ def _check_fused(x, r1, r2, layout: str, x_node, cos_node, sin_node) -> str | No
         return reason
     target = current_target()
     downstream = target.downstream if target is not None else None
-    backward = r_grad or _requires_grad(x_node)
+    # x's own tensor_meta is not enough: an earlier family's replacement (Qwen3's q_norm/k_norm fused into
+    # npu_rms_norm) records requires_grad=False; any graph that may be differentiated counts as training
+    backward = r_grad or _requires_grad(x_node) or graph_needs_autograd(x_node.graph)
     orthogonal = False
     if backward and downstream == "torchair":
         if not r_grad and has_equal_halves(sin_node):

@@ -229,6 +229,20 @@ def region_operands(node: torch.fx.Node) -> list[object]:
     return list(operands.get(node, ())) if operands else []
 
 
+def graph_needs_autograd(graph: torch.fx.Graph) -> bool:
+    """Whether the graph being compiled may be differentiated: grad mode is on (now, at compile time:
+    Dynamo guards it) and some graph input requires grad (guarded per input by Dynamo)."""
+    if not torch.is_grad_enabled():
+        return False
+    for node in graph.find_nodes(op="placeholder"):
+        # make_fx's placeholder FakeTensors drop requires_grad; its tensor_meta records the input's
+        tensor_meta = node.meta.get("tensor_meta")
+        value = node.meta.get("val")
+        if getattr(tensor_meta, "requires_grad", False) or (isinstance(value, torch.Tensor) and value.requires_grad):
+            return True
+    return False
+
+
 @dataclasses.dataclass(frozen=True)
 class CompileTarget:
     """What the rewritten graph will run on, for checks whose answer depends on it.

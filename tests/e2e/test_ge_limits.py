@@ -112,6 +112,26 @@ def test_checkpointed_layers_for_torchair_use_the_orthogonal_rotary(npu_ops, tor
     assert _count(graphs["backward"], NPU.npu_rotary_mul_backward.default) == 0
 
 
+def test_qwen3_training_for_torchair_uses_the_orthogonal_rotary(npu_ops, torchair_target_on_aot_eager):
+    """Qwen3 normalises q and k per head first: rotary's x is an output of the fused npu_rms_norm, whose
+    recorded tensor_meta says no grad. The graph is still a training graph, so the orthogonal form is used
+    (npu_rotary_mul_backward's converter would fail under dynamic shapes, and with D % 64 != 0)."""
+    import transformers
+
+    config = transformers.Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, head_dim=64, vocab_size=128)
+    model = transformers.Qwen3ForCausalLM._from_config(config, attn_implementation="sdpa").to(torch.bfloat16).train()
+    input_ids = torch.randint(0, 128, (2, 16))
+    eager, reference = eager_and_reference(model, input_ids, True, torch.bfloat16)
+    compiled = torch.compile(model, backend="qwen_npu", options=TORCHAIR)
+    assert_runs_match(run_model(model, compiled, input_ids, True), eager, reference)
+    [report] = get_reports()
+    assert report.fusions["rotary"] == 2 and _refusals(report, "rotary") == []
+    graphs = torchair_target_on_aot_eager
+    assert _count(graphs["forward"], ORTHOGONAL) == 2 and _count(graphs["forward"], NPU.npu_rotary_mul.default) == 0
+    assert _count(graphs["backward"], NPU.npu_rotary_mul_backward.default) == 0
+
+
 def test_qwen2_training_for_torchair_dynamic_sequence_length(npu_ops, torchair_target_on_aot_eager):
     """dynamic=True (verl's varying lengths): the orthogonal form needs no static shape; one graph."""
     dtype, layers = torch.bfloat16, 1

@@ -393,6 +393,15 @@ def _on_cpu(value):
 
 
 def _causal_mask_reason(mask: torch.fx.Node) -> str | None:
+    if mask.op == "placeholder" and (operands := region_operands(mask)):
+        # an input of an activation-checkpointed region's body: proven when what every caller passes is
+        for operand in operands:
+            if not isinstance(operand, torch.fx.Node):
+                return f"mask {mask.name} is bound to {operand!r}, not a graph node"
+            reason = causal_mask_reason(operand)
+            if reason is not None:
+                return reason
+        return None
     shape = getattr(meta_val(mask), "shape", None)
     if shape is None or not _static_tensor(meta_val(mask)):
         return f"mask {mask.name} has a symbolic shape (dynamic sequence length): its values are not a constant"
@@ -425,8 +434,13 @@ def _causal_mask_reason(mask: torch.fx.Node) -> str | None:
             block = evaluator.rows_of(mask, start, stop)
             attend = block if block.dtype == torch.bool else block == 0
             causal = torch.arange(start, stop)[:, None] >= cols[None, :]
-            if not torch.equal(attend, causal.expand(attend.shape)):
-                return f"mask {mask.name} is not the plain causal mask (query rows {start}..{stop - 1} differ)"
+            differs = attend != causal.expand(attend.shape)
+            if differs.any():
+                rows = differs.reshape(-1, *differs.shape[-2:]).any(dim=0).any(dim=-1).nonzero().flatten() + start
+                return (
+                    f"mask {mask.name} is not the plain causal mask ({len(rows)} query row(s) differ, "
+                    f"first {int(rows[0])}, last {int(rows[-1])})"
+                )
     return None
 
 

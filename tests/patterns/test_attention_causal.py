@@ -58,6 +58,25 @@ def test_training_without_mask_uses_sparse_mode_and_no_square_tensor(npu_ops, re
     assert _square_nodes(gm) == []  # the mask-building subgraph is dead code, removed
 
 
+@pytest.mark.skipif(tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 9),
+                    reason="torch 2.7 inlines checkpointed regions (compiled unfused)")
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_checkpointed_layers_prove_the_mask_their_caller_builds(npu_ops, rewritten, attn):
+    """With activation checkpointing the mask reaches each layer's region body as an input: the proof
+    follows it to the mask the calling graph builds, so every layer takes sparse_mode 2 (the region call
+    still passes the explicit mask, now unused by attention)."""
+    from qwen_npu_compile import canonicalize
+
+    model = tiny_qwen2(torch.float32, attn=attn, **GQA64).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    reports = assert_parity(model, _ids(), True, torch.float32, options=OPTIONS)
+    assert [r.fusions["attention"] for r in reports] == [LAYERS]
+    (gm,) = rewritten
+    bodies = canonicalize.checkpoint_bodies(gm)
+    assert len(bodies) == LAYERS
+    assert [call for body in bodies for call in _attention_calls(body)] == [CAUSAL] * LAYERS
+
+
 def test_row_blocks_prove_a_large_mask(npu_ops, rewritten, monkeypatch):
     """With a tiny evaluation budget every [B, 1, S, S] tensor of the mask subgraph is computed per block
     of query rows (what S=32768 needs): still proven causal."""

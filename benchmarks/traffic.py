@@ -74,6 +74,7 @@ from qwen_npu_compile.config import ALL_FAMILIES, QwenNpuConfig
 from qwen_npu_compile.fuse import fuse
 from qwen_npu_compile.fusion import CompileTarget
 from qwen_npu_compile.npu_ops import gate_up_proj
+from qwen_npu_compile.npu_ops.limits import bound_arguments
 from qwen_npu_compile.check.models import resolve_model_config, tiny_qwen2_config, with_layers
 
 from .common import MIB, progress
@@ -253,7 +254,7 @@ def _compressed_mask_bytes(node: torch.fx.Node) -> tuple[torch.fx.Node | None, i
     if not (isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "npu"
             and node.target.name().split("::")[-1] in ("npu_fusion_attention", "npu_fusion_attention_grad")):
         return None, 0
-    bound = {**dict(zip((a.name for a in node.target._schema.arguments), node.args)), **node.kwargs}
+    bound = bound_arguments(node)
     mask = bound.get("atten_mask")
     if bound.get("sparse_mode") not in _COMPRESSED_MASK_SPARSE_MODES or not isinstance(mask, torch.fx.Node):
         return None, 0

@@ -143,6 +143,7 @@ from qwen_npu_compile.fusion import (
     with_parameters,
 )
 from qwen_npu_compile.npu_ops.fusion_attention import GE_LAYOUTS, compressed_causal_mask, fusion_attention_violation
+from qwen_npu_compile.npu_ops.limits import bound_arguments
 from qwen_npu_compile.npu_ops.scalars import scalar_argument
 
 from .attention_mask import (
@@ -818,9 +819,7 @@ def _describe_eager_chain(softmax: torch.fx.Node) -> str | None:
 
 
 def _describe_sdpa(node: torch.fx.Node) -> str:
-    names = [argument.name for argument in node.target._schema.arguments]
-    bound = dict(zip(names, node.args))
-    bound.update(node.kwargs)
+    bound = bound_arguments(node)
     parts = []
     for name in ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"):
         value = bound.get(name)

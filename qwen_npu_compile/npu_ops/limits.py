@@ -70,13 +70,16 @@ def node_violation(node: torch.fx.Node, downstream: str | None = "torchair") -> 
     check = CHECKS.get(target._schema.name)
     if check is None:
         return None
-    bound = {}
-    positional = [arg for arg in target._schema.arguments if not arg.kwarg_only]
-    for argument, value in zip(positional, node.args):
-        bound[argument.name] = value
-    bound.update(node.kwargs)
-    values = {name: (value.meta.get("val") if isinstance(value, torch.fx.Node) else value) for name, value in bound.items()}
+    values = {name: (value.meta.get("val") if isinstance(value, torch.fx.Node) else value)
+              for name, value in bound_arguments(node).items()}
     return check(values, downstream)
+
+
+def bound_arguments(node: torch.fx.Node) -> dict[str, object]:
+    """``{argument name: value}`` of a call of an ``OpOverload``, by its schema: positional arguments named,
+    keyword arguments as given (defaults not filled in). Values are graph nodes or literals."""
+    positional = [arg.name for arg in node.target._schema.arguments if not arg.kwarg_only]
+    return {**dict(zip(positional, node.args)), **node.kwargs}
 
 
 def graph_violations(graph: torch.fx.Graph, downstream: str | None = "torchair") -> list[tuple[torch.fx.Node, str]]:

@@ -5,6 +5,7 @@ import torch
 
 from conftest import assert_parity
 from qwen_npu_compile.check.models import tiny_qwen2
+from qwen_npu_compile.npu_ops.limits import bound_arguments
 
 LAYERS = 3
 
@@ -34,7 +35,7 @@ def test_one_compressed_causal_mask_for_all_layers(npu_ops, rewritten, train):
     assert [r.fusions["attention"] for r in reports] == [LAYERS]
     (gm,) = rewritten
     fused = gm.graph.find_nodes(op="call_function", target=torch.ops.npu.npu_fusion_attention.default)
-    bound = [{**dict(zip((a.name for a in n.target._schema.arguments), n.args)), **n.kwargs} for n in fused]
+    bound = [bound_arguments(n) for n in fused]
     masks = {b["atten_mask"] for b in bound}
     assert [b["sparse_mode"] for b in bound] == [2] * LAYERS
     assert len(masks) == 1 and [tuple(m.meta["val"].shape) for m in masks] == [(2048, 2048)]

@@ -27,6 +27,7 @@ import torch
 
 from qwen_npu_compile import canonicalize
 from qwen_npu_compile.fusion import CompileTarget, RefusalRecorder, targeting
+from qwen_npu_compile.npu_ops.limits import bound_arguments
 from qwen_npu_compile.patterns import attention
 
 ROWS = {row.name: row for row in attention.SPELLINGS}
@@ -144,7 +145,7 @@ def test_dropout_without_a_mask_is_fused_by_the_mask_rows(recording_pass, monkey
         with targeting(REAL_OFF_GE):
             counts.append(recording_pass.apply(aten_gm, RefusalRecorder()))
         (call,) = aten_gm.graph.find_nodes(op="call_function", target=torch.ops.npu.npu_fusion_attention.default)
-        bound = {**dict(zip((a.name for a in call.target._schema.arguments), call.args)), **call.kwargs}
+        bound = bound_arguments(call)
         assert bound.get("atten_mask") is None and bound["keep_prob"] == pytest.approx(0.9)
         return gm.forward
 

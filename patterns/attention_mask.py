@@ -393,7 +393,10 @@ def _on_cpu(value):
 
 
 def _causal_mask_reason(mask: torch.fx.Node) -> str | None:
-    if mask.op == "placeholder" and (operands := region_operands(mask)):
+    source = mask
+    while source.op == "call_function" and source.target is aten.alias.default:
+        source = source.args[0]  # transformers 4.57 slices the mask to the key length: a full slice, an alias
+    if source.op == "placeholder" and (operands := region_operands(source)):
         # an input of an activation-checkpointed region's body: proven when what every caller passes is
         for operand in operands:
             if not isinstance(operand, torch.fx.Node):

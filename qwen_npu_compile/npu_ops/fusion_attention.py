@@ -9,7 +9,10 @@ computed here in fp32 and rounded once to q's dtype.
 
 - ``head_num`` is the number of **query** heads. GQA is native: Nq % Nkv == 0, query head ``h`` reads
   key/value head ``h // (Nq // Nkv)`` (what HF ``repeat_kv`` builds).
-- Layouts: BNSD, BSND, BSH and SBH (``H = N * D``; head_num splits it). TND (varlen) raises.
+- Layouts: BNSD, BSND, BSH and SBH (``H = N * D``; head_num splits it), and TND (varlen: ``[T, N, D]``
+  with ``actual_seq_qlen``/``actual_seq_kvlen`` cumulative ends, computed sequence by sequence, never
+  ``T x T``; no dropout, softmax_max/sum ``[T, Nq, 8]``): :mod:`.fusion_attention_tnd`, whose limits are
+  :func:`~.varlen_attention.tnd_violation`. The rest of this docstring is about the other four layouts.
   q, k, v share one dtype (fp16/bf16/fp32); Dq == Dk ≤ :data:`MAX_HEAD_DIM`, Dv ≤ Dk; Nq ≤
   :data:`MAX_QUERY_HEADS`.
 - ``atten_mask`` is bool/uint8 with **True (non-zero) = masked out**, the opposite of PyTorch SDPA.
@@ -74,7 +77,7 @@ FUSION_ATTENTION_GRAD_SCHEMA = (
 
 #: q/k/v dtypes the kernel takes (all three equal).
 SUPPORTED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
-#: Layouts simulated here. torch_npu also has TND (varlen), which the stand-in refuses.
+#: Layouts simulated here by the dense path; TND (varlen) goes to :mod:`.fusion_attention_tnd`.
 SUPPORTED_LAYOUTS = ("BNSD", "BSND", "BSH", "SBH")
 #: Layouts the torchair GE converter accepts (and only with keep_prob == 1).
 GE_LAYOUTS = ("BSH", "BNSD")
@@ -211,16 +214,24 @@ def call_violation(
     keep_prob: float = 1.0,
     softmax_layout: str = "",
     sink=None,
+    actual_seq_qlen=None,
+    actual_seq_kvlen=None,
     downstream: str | None = None,
 ) -> str | None:
     """:func:`fusion_attention_violation` for the arguments of one ``npu_fusion_attention(_grad)`` call
     (the tensors in ``input_layout``), e.g. a node of a graph handed to torchair. With
     ``downstream="torchair"`` also: the converters of torch_npu 2.13.0/2.9.0 take neither ``sink`` nor a
-    non-empty ``softmax_layout`` (their signatures lack them).
+    non-empty ``softmax_layout`` (their signatures lack them). TND calls (with their ``actual_seq_qlen`` /
+    ``actual_seq_kvlen``) are checked by :func:`.fusion_attention_tnd.call_violation`.
 
     Returns:
         None when supported, else a one-line reason (a layout the stand-in cannot parse included).
     """
+    if input_layout == "TND":
+        return _tnd().call_violation(query, key, value, head_num, atten_mask=atten_mask, sparse_mode=sparse_mode,
+                                     keep_prob=keep_prob, softmax_layout=softmax_layout, sink=sink,
+                                     actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen,
+                                     downstream=downstream)
     try:
         b, nq, nkv, sq, skv, d, dv = _dims(query, key, value, head_num, input_layout, "npu_fusion_attention")
     except RuntimeError as exc:
@@ -279,13 +290,15 @@ def _cpu_compressed_causal_mask() -> torch.Tensor:
     return compressed_causal_mask("cpu")
 
 
+def _tnd():
+    """The TND path (imported on first use: it imports :mod:`.varlen_attention`, which imports this module)."""
+    from . import fusion_attention_tnd
+
+    return fusion_attention_tnd
+
+
 def _dims(query, key, value, head_num: int, input_layout: str, op: str):
     """Returns (B, Nq, Nkv, Sq, Skv, D, Dv) after checking layouts, ranks, dtypes and head counts."""
-    if input_layout == "TND":
-        raise RuntimeError(
-            f"{op}: input_layout 'TND' (varlen with actual_seq_qlen/actual_seq_kvlen) is not implemented "
-            f"by the CPU stand-in; use one of {SUPPORTED_LAYOUTS}"
-        )
     if input_layout not in SUPPORTED_LAYOUTS:
         raise RuntimeError(f"{op}: unknown input_layout {input_layout!r} (expected one of {SUPPORTED_LAYOUTS})")
     rank = 4 if input_layout in ("BNSD", "BSND") else 3
@@ -507,12 +520,12 @@ def reference_fusion_attention(
     """CPU reference of ``npu_fusion_attention``.
 
     Args:
-        query: ``[B, Nq, Sq, D]`` (BNSD), ``[B, Sq, Nq, D]`` (BSND), ``[B, Sq, Nq*D]`` (BSH) or
-            ``[Sq, B, Nq*D]`` (SBH); fp16/bf16/fp32.
+        query: ``[B, Nq, Sq, D]`` (BNSD), ``[B, Sq, Nq, D]`` (BSND), ``[B, Sq, Nq*D]`` (BSH),
+            ``[Sq, B, Nq*D]`` (SBH) or ``[T, Nq, D]`` (TND: :mod:`.fusion_attention_tnd`); fp16/bf16/fp32.
         key: the same layout with Nkv heads and Skv positions; query's dtype and head dim.
         value: key's layout, N and S; head dim Dv <= D.
         head_num: Nq, the number of query heads (Nq % Nkv == 0).
-        input_layout: ``"BNSD"``, ``"BSND"``, ``"BSH"`` or ``"SBH"``.
+        input_layout: ``"BNSD"``, ``"BSND"``, ``"BSH"``, ``"SBH"`` or ``"TND"``.
         pse: optional additive bias (before scaling), broadcastable 4-D ``[B, Nq, Sq, Skv]``, q's dtype.
         padding_mask: must be None.
         atten_mask: bool/uint8, True = masked out. Mode 0: BNSS/B1SS/11SS/SS. Modes 2/3: the compressed
@@ -523,8 +536,8 @@ def reference_fusion_attention(
         next_tockens: mode 0 band: keys ``j > i + next_tockens`` are masked too.
         inner_precise: 0..3; fully masked rows give 0 output whatever the value.
         prefix: must be None.
-        actual_seq_qlen: must be None (TND only).
-        actual_seq_kvlen: must be None (TND only).
+        actual_seq_qlen: TND only (else None): cumulative end offsets of the query sequences (int list/tuple).
+        actual_seq_kvlen: TND only (else None): those of the key/value sequences.
         sparse_mode: 0, 2 (left-up causal) or 3 (right-down causal).
         gen_mask_parallel: ignored.
         sync: ignored.
@@ -541,10 +554,17 @@ def reference_fusion_attention(
         dtype; seed and offset as given; numels ``B*Nq*Sq*Skv`` if keep_prob < 1 else 0.
 
     Raises:
-        RuntimeError: TND or an unknown layout, mismatched shapes/dtypes, Nq not a multiple of Nkv, a mask
+        RuntimeError: an unknown layout, a TND call outside the limits of the TND path, mismatched shapes/dtypes, Nq not a multiple of Nkv, a mask
             of the wrong dtype/shape (or not the compressed causal mask for modes 2/3), an unsupported
             sparse_mode/inner_precise/keep_prob, or any argument the stand-in does not simulate.
     """
+    if input_layout == "TND":
+        return _tnd().forward(
+            query, key, value, head_num, pse=pse, padding_mask=padding_mask, atten_mask=atten_mask, scale=scale,
+            keep_prob=keep_prob, inner_precise=inner_precise, prefix=prefix, actual_seq_qlen=actual_seq_qlen,
+            actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode, softmax_layout=softmax_layout, sink=sink,
+            dropout_mask=dropout_mask, seed=seed, offset=offset,
+        )  # fmt: skip
     op = "npu_fusion_attention"
     dims = _dims(query, key, value, head_num, input_layout, op)
     _check_options(
@@ -627,6 +647,13 @@ def reference_fusion_attention_grad(
     Raises:
         RuntimeError: whatever the forward would raise for these arguments, or a dy of the wrong shape.
     """
+    if input_layout == "TND":
+        return _tnd().grad(
+            query, key, value, dy, head_num, pse=pse, padding_mask=padding_mask, atten_mask=atten_mask,
+            scale_value=scale_value, keep_prob=keep_prob, inner_precise=inner_precise, prefix=prefix,
+            actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode,
+            softmax_layout=softmax_layout, sink=sink,
+        )  # fmt: skip
     op = "npu_fusion_attention_grad"
     dims = _dims(query, key, value, head_num, input_layout, op)
     _check_options(
@@ -679,6 +706,13 @@ def _fake_fusion_attention(
     actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True, sync=False,
     softmax_layout="", sink=None, dropout_mask=None, seed=0, offset=0,
 ):  # fmt: skip
+    if input_layout == "TND":
+        return _tnd().fake_forward(
+            query, key, value, head_num, pse=pse, padding_mask=padding_mask, atten_mask=atten_mask, scale=scale,
+            keep_prob=keep_prob, inner_precise=inner_precise, prefix=prefix, actual_seq_qlen=actual_seq_qlen,
+            actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode, softmax_layout=softmax_layout, sink=sink,
+            dropout_mask=dropout_mask, seed=seed, offset=offset,
+        )  # fmt: skip
     op = "npu_fusion_attention"
     dims = _dims(query, key, value, head_num, input_layout, op)
     _check_options(
@@ -701,6 +735,8 @@ def _fake_fusion_attention(
 
 
 def _fake_fusion_attention_grad(query, key, value, dy, head_num, input_layout, **kwargs):
+    if input_layout == "TND":
+        return _tnd().fake_grad(query, key, value, dy, head_num, **kwargs)
     op = "npu_fusion_attention_grad"
     dims = _dims(query, key, value, head_num, input_layout, op)
     _check_options(

@@ -3,7 +3,8 @@
 Each op's limits live in its own module (one function per op, kernel and torchair converter limits
 together): :func:`~.rotary_mul.rotary_mul_violation`, :func:`~.rms_norm.rms_norm_violation`,
 :func:`~.swiglu.swiglu_violation`, :func:`~.fusion_attention.call_violation`,
-:func:`~.add_rms_norm.add_rms_norm_violation`, :func:`~.gate_up_proj.gate_up_proj_violation`. This module only maps a
+:func:`~.add_rms_norm.add_rms_norm_violation`, :func:`~.gate_up_proj.gate_up_proj_violation`,
+:func:`~.varlen_attention.varlen_violation`. This module only maps a
 node of a graph (the rewritten graph, or the forward/backward graphs torchair converts) to the right
 function, with the arguments bound by the op's schema and the tensors taken from ``meta["val"]``.
 """
@@ -15,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.fx
 
-from . import add_rms_norm, fusion_attention, gate_up_proj, rms_norm, rotary_mul, swiglu
+from . import add_rms_norm, fusion_attention, gate_up_proj, rms_norm, rotary_mul, swiglu, varlen_attention
 
 
 def _rotary(backward: bool):
@@ -30,8 +31,14 @@ def _attention(a, downstream):
     return fusion_attention.call_violation(
         a["query"], a["key"], a["value"], a["head_num"], a["input_layout"], atten_mask=a.get("atten_mask"),
         sparse_mode=a.get("sparse_mode", 0), keep_prob=a.get("keep_prob", 1.0),
-        softmax_layout=a.get("softmax_layout", ""), sink=a.get("sink"), downstream=downstream,
+        softmax_layout=a.get("softmax_layout", ""), sink=a.get("sink"), actual_seq_qlen=a.get("actual_seq_qlen"),
+        actual_seq_kvlen=a.get("actual_seq_kvlen"), downstream=downstream,
     )
+
+
+def _varlen(a, downstream):
+    return varlen_attention.varlen_violation(a["query"], a["key"], a["value"], a["seq_ends"], a["head_num"],
+                                             sparse_mode=a.get("sparse_mode", 3), downstream=downstream)
 
 
 #: ``"namespace::op"`` -> its limit function over the schema-bound arguments and the downstream.
@@ -51,6 +58,8 @@ CHECKS: dict[str, Callable[[dict, str | None], str | None]] = {
         a["x"], a["w_gate"], a["w_up"], downstream=downstream),
     "npu::npu_fusion_attention": _attention,
     "npu::npu_fusion_attention_grad": _attention,
+    "qwen_npu::varlen_attention": _varlen,
+    "qwen_npu::varlen_attention_backward": _varlen,
 }
 
 

@@ -1,0 +1,495 @@
+"""``qwen_npu::varlen_attention``: causal attention over packed sequences (TND), offsets as a tensor.
+
+verl's ``use_remove_padding`` packs a micro-batch into one row of ``T`` tokens whose ``position_ids``
+restart for each sequence (``shared/reference/verl-default-path.md`` §1, §2). Varlen attention computes
+each sequence's ``Si x Si`` scores (``sum Si^2`` work) and never a ``T x T`` tensor. Ascend's kernel for it
+is ``npu_fusion_attention(..., input_layout="TND", actual_seq_qlen=..., actual_seq_kvlen=...)``, whose
+offsets are Python int lists; this op takes them as an int64 tensor instead, so a new packing is a new
+input value, not a new graph, and no ``.tolist()`` sits in a traced graph::
+
+    out, softmax_max, softmax_sum = varlen_attention(q, k, v, seq_ends, head_num, scale, sparse_mode=3)
+    # q [T, Nq, D], k [T, Nkv, D], v [T, Nkv, Dv]; seq_ends int64 [B] (cumulative ends, last == T)
+    dq, dk, dv = varlen_attention_backward(dy, q, k, v, out, softmax_max, softmax_sum, seq_ends, ...)
+    seq_ends = seq_ends_from_positions(position_ids, "restart")   # int64 CPU [B], B data-dependent
+
+The kernels call ``torch.ops.npu.npu_fusion_attention(_grad)`` in TND after :func:`~.ensure_npu_ops`: the
+real torch_npu kernels on an Ascend host, the CPU stand-in (:mod:`.fusion_attention_tnd`, sequence by
+sequence) elsewhere. ``sparse_mode`` 3 (right-down causal, what transformers' NPU FA2 path passes) and 2
+(left-up) take the compressed 2048x2048 causal mask (:func:`~.fusion_attention.compressed_causal_mask`)
+and agree here since every sequence has Sq == Skv; 0 is attention without any mask (non-causal).
+Autograd: ``torch.library.register_autograd`` calls ``varlen_attention_backward``, so AOTAutograd's
+backward graph holds that op (and no recomputation in ATen). The fake kernels take symbolic ``T`` and a
+``seq_ends`` of unbacked length.
+
+Limits: :func:`varlen_violation`, the one home of the varlen kernel's limits (the stand-in's TND path
+uses it too). Contract: ``/work/notes/varlen-contract.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from ..compat import guard_or_false
+from . import ensure_npu_ops
+from .define import define_op
+from .fusion_attention import (
+    COMPRESSED_MASK_MODES,
+    GE_DTYPES,
+    SOFTMAX_STAT_WIDTH,
+    compressed_causal_mask,
+    fusion_attention_violation,
+)
+
+NAMESPACE = "qwen_npu"
+SCHEMA = (
+    "varlen_attention(Tensor query, Tensor key, Tensor value, Tensor seq_ends, int head_num, float scale, "
+    "int sparse_mode=3) -> (Tensor, Tensor, Tensor)"
+)
+BACKWARD_SCHEMA = (
+    "varlen_attention_backward(Tensor dy, Tensor query, Tensor key, Tensor value, Tensor out, "
+    "Tensor softmax_max, Tensor softmax_sum, Tensor seq_ends, int head_num, float scale, int sparse_mode=3) "
+    "-> (Tensor, Tensor, Tensor)"
+)
+SEQ_ENDS_SCHEMA = "seq_ends_from_positions(Tensor position_ids, str rule) -> Tensor"
+
+#: At most this many tokens T (query and key) per call: 1M (aclnnFlashAttentionVarLenScore.md, CANN
+#: ops-transformer ``attention/flash_attention_score/docs``; ``verl-default-path.md`` §4 "Varlen constraints").
+MAX_TOKENS = 2**20
+#: At most this many sequences (``len(actual_seq_qlen)``, 1..2K) per call (same sources).
+MAX_SEGMENTS = 2048
+#: sparse_mode values of the varlen op: 0 no mask (non-causal), 2 left-up causal, 3 right-down causal.
+SPARSE_MODES = (0, 2, 3)
+#: The rules of :func:`seq_ends_from_positions` (see there).
+RULES = ("restart", "zero")
+#: Where the limits come from (named in refusals).
+VARLEN_SOURCE = (
+    "the varlen kernel (aclnnFlashAttentionVarLenScore.md; torch_npu 2.13.0 npu_fusion_attention TND; "
+    "shared/reference/verl-default-path.md §4)"
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# limits
+
+
+def _known_ends(ends) -> list[int] | None:
+    """The offsets' values when they can be read without tracing: a plain tensor (not fake/meta; a device
+    tensor costs one copy to the host), or a list/tuple of Python ints. None otherwise (symbolic)."""
+    if isinstance(ends, torch.Tensor):
+        if type(ends) is not torch.Tensor or ends.is_meta:
+            return None  # FakeTensor, FunctionalTensor, ...: values unknown while tracing
+        return [int(e) for e in ends.tolist()]
+    if all(type(e) is int for e in ends):
+        return list(ends)
+    return None
+
+
+def _definitely(condition) -> bool:
+    """True only when ``condition`` is known to hold (an unbacked size is not known to break a limit)."""
+    return guard_or_false(condition)
+
+
+def offsets_violation(ends, total, *, name: str = "seq_ends", strict: bool = True) -> str | None:
+    """Why ``ends`` are not valid cumulative end offsets of packed sequences over ``total`` tokens, or None.
+
+    Limits (:data:`VARLEN_SOURCE`; CANN >= 9.0 validates that the offsets end at T, vllm-ascend #10956):
+    1 to :data:`MAX_SEGMENTS` entries; non-decreasing (``strict``: strictly increasing, i.e. no empty
+    sequence) and non-negative; the last one == ``total``. A tensor must be 1-D int64. Values are checked
+    only when known (:func:`_known_ends`); the count only when it is not an unbacked size.
+
+    Args:
+        ends: an int64 tensor ``[B]`` (maybe fake, maybe of unbacked length) or a sequence of ints.
+        total: T, the token count (int or SymInt).
+        name: how the offsets are called in the message.
+        strict: require strictly increasing offsets.
+    """
+    if isinstance(ends, torch.Tensor):
+        if ends.dtype != torch.int64 or ends.dim() != 1:
+            return f"{name} must be a 1-D int64 tensor of cumulative end offsets, got {ends.dtype}{list(ends.shape)}"
+        count = ends.shape[0]
+    else:
+        count = len(ends)
+    if _definitely(count < 1):
+        return f"{name} is empty; the varlen kernel needs 1 to {MAX_SEGMENTS} sequences"
+    if _definitely(count > MAX_SEGMENTS):
+        return (f"{count} sequences > {MAX_SEGMENTS}, the most {VARLEN_SOURCE} takes per call; split the "
+                "micro-batch")
+    values = _known_ends(ends)
+    if values is None:
+        return None
+    previous = 0
+    for i, end in enumerate(values):
+        if end < previous or (strict and end == previous):
+            order = "strictly increasing" if strict else "non-decreasing"
+            return (f"{name} must be {order} cumulative end offsets starting above 0; entry {i} is {end} after "
+                    f"{previous} ({values[:8]}{'...' if len(values) > 8 else ''})")
+        previous = end
+    if not guard_or_false(previous == total):
+        return (f"{name} ends at {previous}, not at T={total}: the offsets must cover every token (CANN >= 9.0 "
+                "refuses offsets that do not end at T, vllm-ascend #10956); pack the padding as a sequence of its own")
+    return None
+
+
+def tnd_violation(
+    query,
+    key,
+    value,
+    head_num: int | None,
+    q_ends=None,
+    kv_ends=None,
+    *,
+    sparse_mode: int = 3,
+    strict: bool = True,
+    downstream: str | None = None,
+) -> str | None:
+    """Why ``npu_fusion_attention`` in TND would refuse these arguments, or None: :func:`varlen_violation`
+    for separate query / key offsets (the stand-in's and any TND call's check).
+
+    Adds to :func:`varlen_violation`: ``q_ends`` and ``kv_ends`` of one length, each checked by
+    :func:`offsets_violation` against its own T; mode 3 needs Sq <= Skv in every sequence (the varlen docs),
+    which also rules out fully masked rows; a sequence with Sq > 0 and Skv == 0 is refused (its rows would
+    be fully masked, which the varlen kernel does not support).
+    """
+    tensors = (query, key, value)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return "query, key and value must be tensors"
+    if not all(t.dim() == 3 for t in tensors):
+        return (f"TND needs 3-D query/key/value [T, N, D], got {[list(t.shape) for t in tensors]}; view "
+                "[1, T, N, D] as [T, N, D]")
+    (t_q, nq, d), (t_kv, nkv, dk), (t_v, nv, dv) = query.shape, key.shape, value.shape
+    reason = fusion_attention_violation(
+        (1, nq, t_q, d), (1, nkv, t_kv, dk), (1, nv, t_v, dv), (query.dtype, key.dtype, value.dtype),
+        input_layout="TND", head_num=head_num,
+    )
+    if reason is not None:
+        return reason
+    if not (guard_or_false(t_q <= MAX_TOKENS) and guard_or_false(t_kv <= MAX_TOKENS)):
+        return (f"T={t_q} query / {t_kv} key tokens > {MAX_TOKENS} (2**20), the most {VARLEN_SOURCE} takes; "
+                "split the micro-batch")
+    if sparse_mode not in SPARSE_MODES:
+        return f"sparse_mode={sparse_mode}: varlen attention takes {SPARSE_MODES} (0 none, 2 left-up, 3 right-down causal)"
+    for name, ends, total in (("actual_seq_qlen", q_ends, t_q), ("actual_seq_kvlen", kv_ends, t_kv)):
+        if ends is None:
+            continue
+        reason = offsets_violation(ends, total, name=name, strict=strict)
+        if reason is not None:
+            return reason
+    if q_ends is not None and kv_ends is not None and q_ends is not kv_ends:
+        q_values, kv_values = _known_ends(q_ends), _known_ends(kv_ends)
+        if q_values is not None and kv_values is not None:
+            if len(q_values) != len(kv_values):
+                return (f"actual_seq_qlen has {len(q_values)} sequences, actual_seq_kvlen {len(kv_values)}; "
+                        "they must describe the same sequences")
+            q_starts, kv_starts = [0, *q_values[:-1]], [0, *kv_values[:-1]]
+            for i, (qs, qe, ks, ke) in enumerate(zip(q_starts, q_values, kv_starts, kv_values)):
+                sq, skv = qe - qs, ke - ks
+                if sq > 0 and skv == 0:
+                    return f"sequence {i} has Sq={sq} queries and no keys: its rows would be fully masked"
+                if sparse_mode == 3 and sq > skv:
+                    return (f"sequence {i}: Sq={sq} > Skv={skv}; sparse_mode 3 (right-down causal) needs Sq <= Skv "
+                            "in every sequence (varlen docs)")
+    if downstream == "torchair" and query.dtype not in GE_DTYPES:
+        return (f"dtype {query.dtype}: GE's FlashAttentionScore takes fp16/bf16 q/k/v only (torchair "
+                "auto_generated_ge_raw_ops.py); compute attention in bf16/fp16")
+    return None
+
+
+def varlen_violation(
+    query,
+    key,
+    value,
+    seq_ends=None,
+    head_num: int | None = None,
+    *,
+    sparse_mode: int = 3,
+    downstream: str | None = None,
+) -> str | None:
+    """Why ``varlen_attention(query, key, value, seq_ends, head_num, ...)`` would fail, or None: THE one home
+    of the varlen kernel's limits, used by this op's kernels and fake kernels, the stand-in's TND path, the
+    patterns that emit the op and the GE conversion check.
+
+    Limits (:data:`VARLEN_SOURCE`: ``aclnnFlashAttentionVarLenScore.md``; torch_npu 2.13.0
+    ``npu_fusion_attention`` docs; ``shared/reference/npu-op-contracts.md``):
+
+    - q/k/v 3-D TND of one dtype in fp16/bf16/fp32; k and v of one T and head count, q's T == k's T
+      (self-attention: one ``seq_ends`` for both);
+    - T <= :data:`MAX_TOKENS` (1M); Nq == ``head_num`` <= 256 (``MAX_QUERY_HEADS``), Nq % Nkv == 0 (GQA);
+      1 <= Dv <= D <= 768 (``MAX_HEAD_DIM``) (reused from :mod:`.fusion_attention`);
+    - ``sparse_mode`` in :data:`SPARSE_MODES`;
+    - ``seq_ends`` (when given) 1-D int64 with 1 to :data:`MAX_SEGMENTS` (2K) entries (the count unless
+      it is an unbacked size), strictly increasing, last == T (CANN >= 9.0) when its values are known
+      (a plain tensor, read on the host);
+    - ``downstream="torchair"``: q/k/v fp16/bf16 (``GE_DTYPES``: GE's FlashAttentionScore refuses fp32).
+
+    Args:
+        query: ``[T, Nq, D]`` tensor or FakeTensor (T may be symbolic).
+        key: ``[T, Nkv, D]``.
+        value: ``[T, Nkv, Dv]``.
+        seq_ends: int64 ``[B]`` cumulative end offsets, or None to check the tensors only.
+        head_num: the op's ``head_num`` (None: Nq).
+        sparse_mode: the op's ``sparse_mode``.
+        downstream: the backend the graph is handed to; ``"torchair"`` adds the GE limits.
+
+    Returns:
+        None when supported, else a one-line reason.
+    """
+    if isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() == 3 and key.dim() == 3:
+        if not guard_or_false(query.shape[0] == key.shape[0]):
+            return (f"query has {query.shape[0]} tokens, key {key.shape[0]}: varlen_attention is self-attention "
+                    "over one packing (one seq_ends for both)")
+    return tnd_violation(query, key, value, head_num, seq_ends, seq_ends, sparse_mode=sparse_mode,
+                         downstream=downstream)
+
+
+def _check(op: str, query, key, value, seq_ends, head_num, sparse_mode) -> None:
+    if head_num < 1:
+        raise RuntimeError(f"{NAMESPACE}::{op}: head_num must be positive, got {head_num}")
+    reason = varlen_violation(query, key, value, seq_ends, head_num, sparse_mode=sparse_mode)
+    if reason is not None:
+        raise RuntimeError(f"{NAMESPACE}::{op}: {reason}")
+
+
+@functools.lru_cache(maxsize=8)
+def _mask_on(device: str) -> torch.Tensor:
+    return compressed_causal_mask(device)
+
+
+def _mask_for(sparse_mode: int, device: torch.device) -> torch.Tensor | None:
+    return _mask_on(str(device)) if sparse_mode in COMPRESSED_MASK_MODES else None
+
+
+# --------------------------------------------------------------------------------------------------
+# varlen_attention
+
+
+def varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    seq_ends: torch.Tensor,
+    head_num: int,
+    scale: float,
+    sparse_mode: int = 3,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal attention of each packed sequence (the kernel; module docstring).
+
+    Args:
+        query: ``[T, Nq, D]`` (TND), fp16/bf16/fp32.
+        key: ``[T, Nkv, D]``, query's dtype (Nq % Nkv == 0: GQA without repeat_kv).
+        value: ``[T, Nkv, Dv]``, Dv <= D.
+        seq_ends: int64 ``[B]`` cumulative end offsets (strictly increasing, last == T), normally on the
+            CPU (read as a host list: no device sync).
+        head_num: Nq.
+        scale: multiplies ``Q @ K^T`` (pass the module's scaling, e.g. ``D ** -0.5``).
+        sparse_mode: 3 right-down causal (default), 2 left-up causal, 0 no mask.
+
+    Returns:
+        ``(out [T, Nq, Dv] q.dtype, softmax_max [T, Nq, 8] fp32, softmax_sum [T, Nq, 8] fp32)``: the
+        kernel's row max and row sum of the scaled scores (the row value repeated over the last dim of 8).
+
+    Raises:
+        RuntimeError: a limit of :func:`varlen_violation` is broken (the message names it).
+    """
+    ends = [int(e) for e in seq_ends.tolist()]
+    _check("varlen_attention", query, key, value, ends, head_num, sparse_mode)
+    ensure_npu_ops()
+    out, softmax_max, softmax_sum = torch.ops.npu.npu_fusion_attention.default(
+        query.contiguous(), key.contiguous(), value.contiguous(), head_num, "TND",
+        atten_mask=_mask_for(sparse_mode, query.device), scale=scale, actual_seq_qlen=ends,
+        actual_seq_kvlen=ends, sparse_mode=sparse_mode,
+    )[:3]
+    return out, softmax_max, softmax_sum
+
+
+def _fake(query, key, value, seq_ends, head_num, scale, sparse_mode=3):
+    _check("varlen_attention", query, key, value, seq_ends, head_num, sparse_mode)
+    tokens, heads = query.shape[0], query.shape[1]
+    stats = (tokens, heads, SOFTMAX_STAT_WIDTH)
+    return (
+        query.new_empty((tokens, heads, value.shape[2])),
+        query.new_empty(stats, dtype=torch.float32),
+        query.new_empty(stats, dtype=torch.float32),
+    )
+
+
+def varlen_attention_backward(
+    dy: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    softmax_max: torch.Tensor,
+    softmax_sum: torch.Tensor,
+    seq_ends: torch.Tensor,
+    head_num: int,
+    scale: float,
+    sparse_mode: int = 3,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`varlen_attention` (``npu_fusion_attention_grad`` in TND).
+
+    Args:
+        dy: gradient of ``out``, ``[T, Nq, Dv]``.
+        query, key, value, seq_ends, head_num, scale, sparse_mode: as given to the forward.
+        out, softmax_max, softmax_sum: the forward's outputs (the real kernel reads them; the CPU stand-in
+            recomputes the probabilities).
+
+    Returns:
+        ``(dq [T, Nq, D], dk [T, Nkv, D], dv [T, Nkv, Dv])`` in q's dtype (dk/dv summed over each GQA group).
+
+    Raises:
+        RuntimeError: a limit of :func:`varlen_violation` is broken, or dy is not shaped like the output.
+    """
+    ends = [int(e) for e in seq_ends.tolist()]
+    _check_backward(dy, query, key, value, ends, head_num, sparse_mode)
+    ensure_npu_ops()
+    dq, dk, dv = torch.ops.npu.npu_fusion_attention_grad.default(
+        query.contiguous(), key.contiguous(), value.contiguous(), dy.contiguous(), head_num, "TND",
+        atten_mask=_mask_for(sparse_mode, query.device), softmax_max=softmax_max, softmax_sum=softmax_sum,
+        attention_in=out, scale_value=scale, actual_seq_qlen=ends, actual_seq_kvlen=ends, sparse_mode=sparse_mode,
+    )[:3]
+    return dq, dk, dv
+
+
+def _check_backward(dy, query, key, value, seq_ends, head_num, sparse_mode) -> None:
+    _check("varlen_attention_backward", query, key, value, seq_ends, head_num, sparse_mode)
+    expected = (query.shape[0], query.shape[1], value.shape[2])
+    if dy.dim() != 3 or not all(guard_or_false(a == b) for a, b in zip(dy.shape, expected)):
+        raise RuntimeError(f"{NAMESPACE}::varlen_attention_backward: dy shape {list(dy.shape)} != out shape "
+                           f"{list(expected)}")
+
+
+def _fake_backward(dy, query, key, value, out, softmax_max, softmax_sum, seq_ends, head_num, scale, sparse_mode=3):
+    _check_backward(dy, query, key, value, seq_ends, head_num, sparse_mode)
+    return query.new_empty(query.shape), query.new_empty(key.shape), query.new_empty(value.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, seq_ends, head_num, scale, sparse_mode = inputs
+    out, softmax_max, softmax_sum = output
+    ctx.save_for_backward(query, key, value, out, softmax_max, softmax_sum, seq_ends)
+    ctx.head_num, ctx.scale, ctx.sparse_mode = head_num, scale, sparse_mode
+    ctx.mark_non_differentiable(softmax_max, softmax_sum)
+
+
+def _backward(ctx, grad_out, _grad_max, _grad_sum):
+    query, key, value, out, softmax_max, softmax_sum, seq_ends = ctx.saved_tensors
+    dq, dk, dv = BACKWARD_OP(grad_out, query, key, value, out, softmax_max, softmax_sum, seq_ends,
+                             ctx.head_num, ctx.scale, ctx.sparse_mode)
+    return dq, dk, dv, None, None, None, None
+
+
+# --------------------------------------------------------------------------------------------------
+# seq_ends_from_positions
+
+
+def _position_row(position_ids, op: str):
+    """position_ids ``[1, T]`` or ``[T]`` of an integer dtype -> the ``[T]`` row; RuntimeError otherwise."""
+    if not isinstance(position_ids, torch.Tensor):
+        raise RuntimeError(f"{op}: position_ids must be a tensor, got {type(position_ids).__name__}")
+    if position_ids.dtype.is_floating_point or position_ids.dtype.is_complex or position_ids.dtype == torch.bool:
+        raise RuntimeError(f"{op}: position_ids must be an integer tensor, got {position_ids.dtype}")
+    if position_ids.dim() == 2 and guard_or_false(position_ids.shape[0] == 1):
+        row = position_ids[0]
+    elif position_ids.dim() == 1:
+        row = position_ids
+    else:
+        raise RuntimeError(
+            f"{op}: position_ids of shape {list(position_ids.shape)}: packed sequences need one row ([1, T] or [T]); "
+            "pack the micro-batch into batch 1 (verl use_remove_padding) or use the padded attention path"
+        )
+    if guard_or_false(row.shape[0] == 0):
+        raise RuntimeError(f"{op}: position_ids is empty (T = 0)")
+    return row
+
+
+def _check_rule(rule: str, op: str) -> None:
+    if rule not in RULES:
+        raise RuntimeError(f"{op}: rule {rule!r} is none of {RULES}")
+
+
+def _ends_of_row(row: torch.Tensor, rule: str) -> torch.Tensor:
+    """int64 CPU ``[B]`` end offsets of the sequences in ``row`` (a CPU ``[T]`` integer tensor)."""
+    row = row.to(torch.int64)
+    if rule == "restart":
+        starts = torch.nonzero(row[1:] - row[:-1] != 1).flatten() + 1
+    else:
+        starts = torch.nonzero(row[1:] == 0).flatten() + 1
+    return torch.cat([starts, starts.new_tensor([row.shape[0]])])
+
+
+def seq_ends_from_positions(position_ids: torch.Tensor, rule: str) -> torch.Tensor:
+    """Cumulative end offsets of the sequences packed in ``position_ids`` (the kernel of the op).
+
+    Rules (position 0 always starts a sequence):
+
+    - ``"restart"``: a sequence starts where ``position_ids[i] - position_ids[i-1] != 1``: the packed mask of
+      transformers' SDPA/eager path (``masking_utils.find_packed_sequence_indices``, ``diff != 1``);
+    - ``"zero"``: a sequence starts where ``position_ids[i] == 0``: FA2's
+      ``prepare_fa_kwargs_from_position_ids`` (``(position_ids == 0).nonzero()``). A row ``[0, 1, 2, 7, 8]``
+      is two sequences by "restart" and one by "zero".
+
+    Args:
+        position_ids: ``[1, T]`` or ``[T]``, any integer dtype, any device (copied to the host once).
+        rule: ``"restart"`` or ``"zero"``.
+
+    Returns:
+        int64 CPU ``[B]``: strictly increasing ends, the last == T.
+
+    Raises:
+        RuntimeError: position_ids is not one integer row (batch > 1, wrong rank or dtype, empty), or an
+            unknown rule.
+    """
+    op = f"{NAMESPACE}::seq_ends_from_positions"
+    _check_rule(rule, op)
+    row = _position_row(position_ids, op)
+    return _ends_of_row(row.to("cpu"), rule)
+
+
+def _fake_seq_ends(position_ids, rule):
+    op = f"{NAMESPACE}::seq_ends_from_positions"
+    _check_rule(rule, op)
+    row = _position_row(position_ids, op)
+    tokens = row.shape[0]
+    count = torch.library.get_ctx().new_dynamic_size(min=1, max=tokens if isinstance(tokens, int) else None)
+    return position_ids.new_empty((count,), dtype=torch.int64, device="cpu")
+
+
+def host_seq_ends(position_ids: torch.Tensor, rule: str = "restart") -> torch.Tensor:
+    """:func:`seq_ends_from_positions` eagerly (outside any graph): one device-to-host copy of the row.
+
+    For a forward pre-hook that computes the offsets once per micro-batch (as MindSpeed and vllm-ascend do;
+    ``verl-default-path.md`` §6) and passes them to every layer's attention.
+
+    Args:
+        position_ids: ``[1, T]`` or ``[T]`` integer, any device.
+        rule: ``"restart"`` (default) or ``"zero"``.
+
+    Returns:
+        int64 CPU ``[B]`` cumulative end offsets.
+
+    Raises:
+        RuntimeError: as :func:`seq_ends_from_positions`.
+    """
+    with torch.no_grad():
+        return seq_ends_from_positions(position_ids.detach(), rule)
+
+
+#: The ``qwen_npu`` fragment holding the ops (alive for the whole process).
+LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
+define_op(LIBRARY, SCHEMA, varlen_attention, _fake, _backward, _setup_context)
+define_op(LIBRARY, BACKWARD_SCHEMA, varlen_attention_backward, _fake_backward)
+define_op(LIBRARY, SEQ_ENDS_SCHEMA, seq_ends_from_positions, _fake_seq_ends)
+
+#: The op overloads graphs hold.
+OP = torch.ops.qwen_npu.varlen_attention.default
+BACKWARD_OP = torch.ops.qwen_npu.varlen_attention_backward.default
+SEQ_ENDS_OP = torch.ops.qwen_npu.seq_ends_from_positions.default
+
+__all__ = [
+    "BACKWARD_OP", "MAX_SEGMENTS", "MAX_TOKENS", "OP", "RULES", "SEQ_ENDS_OP", "SPARSE_MODES", "host_seq_ends",
+    "offsets_violation", "seq_ends_from_positions", "tnd_violation", "varlen_attention", "varlen_attention_backward",
+    "varlen_violation",
+]

@@ -211,6 +211,14 @@ def counting_matches(counter: Counter[str]):
     return _set_within(_ACTIVE_MATCHES, counter)
 
 
+def count_applied(variant_name: str, count: int = 1) -> None:
+    """Count ``count`` replacements of ``variant_name`` that a pass applied itself (not through a
+    registered pattern) into the counter of an enclosing :func:`counting_matches`."""
+    counter = _ACTIVE_MATCHES.get()
+    if counter is not None and count:
+        counter[variant_name] += count
+
+
 _REGION_OPERANDS: contextvars.ContextVar[dict[torch.fx.Node, list[object]] | None] = contextvars.ContextVar(
     "qwen_npu_region_operands", default=None
 )

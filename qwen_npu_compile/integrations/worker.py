@@ -139,12 +139,15 @@ class CompiledLayers(list):
 
     Attributes:
         records: layer name -> :class:`LayerRecord`.
+        varlen: what :func:`qwen_npu_compile.integrations.varlen.install` put in place for packed
+            micro-batches (the base model's pre-hook, the taken-over attention entry point); ``[]`` when none.
     """
 
     def __init__(self, records: list[LayerRecord] | None = None) -> None:
         records = list(records or [])
         super().__init__(record.name for record in records)
         self.records: dict[str, LayerRecord] = {record.name: record for record in records}
+        self.varlen: list[str] = []
 
     def reports(self) -> dict[str, list[GraphReport]]:
         """Layer name -> the graph reports it has run so far."""
@@ -519,7 +522,7 @@ def maybe_compile(
     if not compile_requested(environ):
         log.debug("qwen_npu: %s is not set to 1; model left uncompiled", ENV_COMPILE)
         return CompiledLayers()
-    QwenNpuConfig.from_options(options)  # validate now, not at the first forward
+    config = QwenNpuConfig.from_options(options)  # validate now, not at the first forward
     flat = _fsdp1_without_orig_params(model)
     if flat:
         raise ValueError(_fsdp1_message(f"the model (FSDP1 unit(s) {flat[:3]}{'...' if len(flat) > 3 else ''})"))
@@ -542,12 +545,18 @@ def maybe_compile(
         layer._compiled_call_impl = _CompiledLayerCall(layer, record, layer._compiled_call_impl, compiler)
         records.append(record)
     result = CompiledLayers(records)
+    if "attention" in config.fusions:
+        from . import varlen  # packed micro-batches: offsets once per micro-batch, varlen attention
+
+        result.varlen = varlen.install(model)
     classes = sorted({record.class_name for record in records})
     log.info(
         "qwen_npu: %s=1: compiled %d decoder layer(s) of %s in place (%s)%s",
         ENV_COMPILE, len(result), type(model).__name__, ", ".join(classes),
         f" with options {dict(options)}" if options else "",
     )
+    if result.varlen:
+        log.info("qwen_npu: packed micro-batches run varlen attention (%s)", "; ".join(result.varlen))
     return result
 
 

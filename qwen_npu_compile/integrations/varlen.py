@@ -1,0 +1,418 @@
+"""Packed micro-batches under per-layer compile: sequence offsets once per micro-batch, varlen attention.
+
+verl packs every micro-batch into one row (``use_remove_padding``, its default): ``input_ids (1, T)``,
+``position_ids (1, T)`` restarting at 0 for each sequence, ``attention_mask=None``, ``use_cache=False``
+(``shared/reference/verl-default-path.md`` §1.1). With :func:`~qwen_npu_compile.maybe_compile` each
+decoder layer is its own graph and never sees how the row was packed, only a mask (``sdpa``: the
+``[1, 1, T, T]`` block-diagonal mask transformers builds eagerly) or nothing (``flash_attention_2``:
+transformers re-derives the offsets in every layer with ``nonzero``, ``.item()`` and ``.tolist()``: 13
+graphs per layer, a recompile per number of sequences, §3).
+
+What :func:`install` puts in place instead (the design MindSpeed and vllm-ascend use: host offsets
+computed once per step, read by every layer):
+
+1. **A forward pre-hook on the base model** (the module that owns the decoder layers). When the call is
+   provably a packed causal batch (no ``attention_mask``, no KV cache, ``position_ids`` of shape
+   ``(1, T)``, every layer full attention: no sliding window, and the model's attention implementation
+   is ``sdpa`` or ``flash_attention_2``), it computes the cumulative sequence ends **on the host**
+   (:func:`~qwen_npu_compile.npu_ops.varlen_attention.host_seq_ends`: one device-to-host copy per
+   micro-batch, not per layer) with the rule of the implementation whose result it replaces
+   (``sdpa``: a sequence starts where ``diff(position_ids) != 1``, as transformers'
+   ``find_packed_sequence_indices`` builds the packed mask; ``flash_attention_2``: where
+   ``position_ids == 0``, as ``prepare_fa_kwargs_from_position_ids`` does), passes them to the layers as
+   the keyword argument :data:`SEQ_ENDS_KWARG` (an int64 CPU tensor ``[B]``, its length marked unbacked
+   so that no packing recompiles), and passes ``attention_mask`` as transformers' own per-layer-type
+   mapping ``{"full_attention": None}`` so that no ``T x T`` mask is built at all. Under verl's Ulysses
+   sequence parallelism the local ``position_ids`` are all-gathered first (one collective per
+   micro-batch), so the offsets are global, as verl's wrapper computes them.
+2. **Takeovers** of the two attention entry points that receive that keyword (installed once per
+   process; each passes any call without it to the original untouched):
+
+   * ``flash_attention_2``: transformers' ``_flash_attention_forward`` as
+     ``integrations/flash_attention.py`` calls it, or, when verl's Ulysses wrapper has replaced that
+     name, the ``_flash_attention_forward`` the wrapper calls (``verl/models/transformers/monkey_patch.py``)
+     so that verl's all-to-all stays around it;
+   * ``sdpa``: ``ALL_ATTENTION_FUNCTIONS["sdpa"]``.
+
+   Both call ``qwen_npu.varlen_attention`` (TND views of q/k/v, GQA native, ``sparse_mode=3`` with the
+   compressed causal mask; :mod:`qwen_npu_compile.npu_ops.varlen_attention`) after checking its limits
+   (``varlen_violation``). A call the op cannot take goes to transformers' own code (flash attention: its
+   varlen path; sdpa: a per-sequence loop, since the mask was not built), with one warning.
+
+The layer's graph therefore holds one ``qwen_npu.varlen_attention`` per layer and no ``T x T`` tensor;
+the attention family counts it as a fusion of the variant ``varlen_packed_offsets``
+(``patterns/attention.py`` ``TAKEOVER_VARIANT``).
+
+What this relies on is checked at :func:`install` (a changed transformers or verl fails loudly there,
+naming the version): the ``_flash_attention_forward`` name and parameters, ``ALL_ATTENTION_FUNCTIONS``,
+the base model's ``forward`` taking ``attention_mask`` / ``position_ids`` and indexing a mask mapping by
+``config.layer_types`` (transformers 4.57.6-5.24: ``if not isinstance(attention_mask, dict)``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import sys
+
+import torch
+from torch import nn
+
+log = logging.getLogger("qwen_npu_compile")
+
+#: The keyword argument that carries the host sequence ends from the base model to attention.
+SEQ_ENDS_KWARG = "qwen_npu_seq_ends"
+
+
+#: Attention implementations whose packed path is taken over, with the rule their packing follows.
+RULES = {"sdpa": "restart", "flash_attention_2": "zero"}
+
+#: Parameters of transformers' ``_flash_attention_forward`` the takeover reads (4.57.6, 5.10.4, 5.24.0).
+_FA_PARAMETERS = ("query_states", "key_states", "value_states", "attention_mask", "query_length", "is_causal",
+                  "dropout", "position_ids", "softmax_scale", "sliding_window", "softcap", "target_dtype")
+
+#: KV-cache keyword spellings of a base model's forward (transformers 4.x ``past_key_values``, 5.2x ``cache``).
+_CACHE_KWARGS = ("past_key_values", "cache", "past_key_value")
+
+_warned: set[str] = set()
+
+
+class VarlenIntegrationError(RuntimeError):
+    """transformers or verl no longer has what the packed-sequence integration relies on."""
+
+
+def _warn_once(key: str, message: str, *args) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message, *args)
+
+
+def _versions() -> str:
+    import transformers
+
+    verl = sys.modules.get("verl")
+    return f"transformers {transformers.__version__}" + (f", verl {getattr(verl, '__version__', '?')}" if verl else "")
+
+
+# --------------------------------------------------------------------------------------------------
+# the pre-hook: offsets once per micro-batch
+
+
+def _attn_implementation(config) -> str | None:
+    return getattr(config, "_attn_implementation", None)
+
+
+def _full_attention_only(config) -> bool:
+    """Every layer is full (causal) attention: no sliding window in use (Qwen2 ``use_sliding_window``,
+    Mistral ``sliding_window``, ``layer_types`` with ``sliding_attention``)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        return False
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        return False
+    if getattr(config, "use_sliding_window", None) is None and getattr(config, "sliding_window", None):
+        return False  # Mistral/Mixtral: sliding_window alone switches it on
+    return True
+
+
+def _ulysses_group():
+    """verl's Ulysses group and size when sequence parallelism is active in this process, else (None, 1)."""
+    ulysses = sys.modules.get("verl.utils.ulysses")
+    if ulysses is None:
+        return None, 1
+    size = ulysses.get_ulysses_sequence_parallel_world_size()
+    return (ulysses.get_ulysses_sequence_parallel_group(), size) if size > 1 else (None, 1)
+
+
+def _global_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """The packed row's global position ids: verl's Ulysses slices ``(1, T)`` into ``(1, T/sp)`` per rank
+    and its attention wrapper all-gathers them (``monkey_patch._ulysses_flash_attention_forward``)."""
+    group, size = _ulysses_group()
+    if size == 1:
+        return position_ids
+    parts = [torch.empty_like(position_ids) for _ in range(size)]
+    torch.distributed.all_gather(parts, position_ids.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def packing_refusal(module: nn.Module, kwargs: dict) -> str | None:
+    """Why this base-model call is not a provably packed causal batch (None when it is).
+
+    Args:
+        module: the base model (``Qwen2Model``, ...); its ``config`` is read.
+        kwargs: the call's keyword arguments.
+    """
+    config = getattr(module, "config", None)
+    implementation = _attn_implementation(config)
+    if implementation not in RULES:
+        return f"attn_implementation {implementation!r} (taken over: {sorted(RULES)})"
+    if kwargs.get("attention_mask") is not None:
+        return "an attention_mask is given (padding or a user mask): transformers' own mask path"
+    if any(kwargs.get(name) is not None for name in _CACHE_KWARGS) or kwargs.get("use_cache"):
+        return "a KV cache is in use"
+    position_ids = kwargs.get("position_ids")
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[0] != 1:
+        shape = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else None
+        return f"position_ids {shape} is not one packed row (1, T)"
+    if position_ids.dtype.is_floating_point:
+        return f"position_ids dtype {position_ids.dtype}"
+    if not _full_attention_only(config):
+        return "the model uses sliding-window attention"
+    if getattr(config, "attention_dropout", 0.0) and module.training:
+        return f"attention_dropout={config.attention_dropout} in training (varlen attention takes keep_prob 1)"
+    return None
+
+
+def _mark_unbacked(tensor: torch.Tensor, dim: int) -> None:
+    """No guard on the number of sequences: an unbacked size (no 0/1 specialisation, so a single-sequence
+    micro-batch reuses the graph); torch releases without ``mark_unbacked`` get ``maybe_mark_dynamic``."""
+    decorators = torch._dynamo.decorators
+    mark = getattr(decorators, "mark_unbacked", None) or decorators.maybe_mark_dynamic
+    mark(tensor, dim)
+
+
+def _mask_mapping(config) -> dict:
+    return {kind: None for kind in set(getattr(config, "layer_types", None) or ["full_attention"])}
+
+
+def _packed_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
+    """The base model's forward pre-hook (``with_kwargs=True``): see the module docstring, step 1."""
+    from ..npu_ops.varlen_attention import host_seq_ends, offsets_violation
+
+    if args or SEQ_ENDS_KWARG in kwargs:
+        if args:
+            _warn_once("positional", "qwen_npu: %s called with positional arguments; packed-sequence offsets "
+                       "are only derived from keyword calls (verl's)", type(module).__name__)
+        return None
+    reason = packing_refusal(module, kwargs)
+    if reason is not None:
+        log.debug("qwen_npu: no varlen offsets for this call: %s", reason)
+        return None
+    rule = RULES[_attn_implementation(module.config)]
+    positions = _global_positions(kwargs["position_ids"]).cpu()  # the one device-to-host copy
+    if rule == "zero" and int(positions[0, 0]) != 0:
+        log.debug("qwen_npu: no varlen offsets: the packed row does not start at position 0")
+        return None
+    ends = host_seq_ends(positions, rule)
+    reason = offsets_violation(ends, positions.shape[-1])
+    if reason is not None:
+        _warn_once(f"offsets:{reason}", "qwen_npu: packed micro-batch keeps transformers' attention path: %s", reason)
+        return None
+    _mark_unbacked(ends, 0)
+    kwargs = dict(kwargs)
+    kwargs[SEQ_ENDS_KWARG] = ends
+    kwargs["attention_mask"] = _mask_mapping(module.config)
+    return args, kwargs
+
+
+def _base_model(model: nn.Module) -> nn.Module | None:
+    """The module whose forward builds the masks and runs the decoder layers (``model.model``)."""
+    from .worker import find_decoder_layers
+
+    layers = find_decoder_layers(model)
+    layer_ids = {id(layer) for _, layer in layers}
+    best = None
+    for module in model.modules():
+        for child in module.children():
+            if isinstance(child, nn.ModuleList) and any(id(m) in layer_ids for m in child):
+                best = module
+    return best
+
+
+def _check_base_model(base: nn.Module) -> None:
+    parameters = inspect.signature(type(base).forward).parameters
+    missing = [name for name in ("attention_mask", "position_ids") if name not in parameters]
+    if missing:
+        raise VarlenIntegrationError(
+            f"qwen_npu: {type(base).__name__}.forward has no {missing} ({_versions()}); the packed-sequence "
+            "integration supports transformers 4.57.6-5.24 decoder models"
+        )
+    source = inspect.getsource(type(base).forward) if hasattr(type(base), "forward") else ""
+    if "isinstance(causal_mask_mapping := attention_mask, dict)" not in source and "dict)" not in source:
+        raise VarlenIntegrationError(
+            f"qwen_npu: {type(base).__name__}.forward no longer takes a per-layer-type mask mapping "
+            f"({_versions()}); the packed-sequence integration cannot skip the T x T mask"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# the takeovers
+
+
+def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ends: torch.Tensor, scale: float):
+    """``[1, T, N, D]`` (BSND) q/k/v -> varlen attention output ``[1, T, Nq, Dv]``, or None when refused."""
+    from ..npu_ops import varlen_attention as varlen
+
+    heads = query.shape[2]
+    q, k, v = (t.reshape(t.shape[0] * t.shape[1], t.shape[2], t.shape[3]) for t in (query, key, value))
+    # the offsets' values were checked by the pre-hook on the host (offsets_violation); here, while Dynamo
+    # traces the layer, only the tensors are (no .tolist() of the offsets in the graph)
+    reason = varlen.varlen_violation(q, k, v, None, head_num=heads)
+    if reason is not None:
+        _warn_once(f"refused:{reason}", "qwen_npu: packed attention not fused into varlen attention (%s); "
+                   "using transformers' path", reason)
+        return None
+    out = varlen.OP(q, k, v, ends, heads, float(scale), 3)[0]
+    return out.view(query.shape[0], query.shape[1], heads, value.shape[-1])
+
+
+def _flash_takeover(original, positional: tuple[str, ...]):
+    """``_flash_attention_forward(query_states [1, T, N, D], ...)`` -> varlen attention when the pre-hook
+    passed the offsets and the call is plain causal packed attention; else ``original``.
+
+    ``positional``: the names of ``original``'s parameters after ``query_length``, in order (read from its
+    signature at install time: no ``inspect`` in the traced path)."""
+
+    @functools.wraps(original)
+    def _flash_attention_forward(query_states, key_states, value_states, attention_mask, query_length, *args,
+                                 **kwargs):
+        ends = kwargs.pop(SEQ_ENDS_KWARG, None)
+        if ends is None:
+            return original(query_states, key_states, value_states, attention_mask, query_length, *args, **kwargs)
+        bound = dict(zip(positional, args))
+        bound.update(kwargs)
+        plain = (attention_mask is None and bound.get("is_causal", True) and not bound.get("dropout")
+                 and bound.get("sliding_window") is None and bound.get("softcap") is None
+                 and query_states.shape[0] == 1 and bound.get("cu_seq_lens_q") is None
+                 and query_states.shape[1] == key_states.shape[1])
+        if plain:
+            target = bound.get("target_dtype")
+            if target is not None and query_states.dtype == torch.float32:
+                # what transformers' fa_peft_integration_check does for fp32 (PEFT-cast) inputs
+                query_states, key_states, value_states = (t.to(target) for t in (query_states, key_states,
+                                                                                 value_states))
+            scale = bound.get("softmax_scale") or query_states.shape[-1] ** -0.5
+            out = _varlen(query_states, key_states, value_states, ends, scale)
+            if out is not None:
+                return out
+        else:
+            _warn_once("fa-not-plain", "qwen_npu: a flash-attention call with offsets is not plain causal packed "
+                       "attention (mask, dropout, sliding window or softcap); using transformers' path")
+        return original(query_states, key_states, value_states, attention_mask, query_length, *args, **kwargs)
+
+    _flash_attention_forward._qwen_npu_original = original
+    return _flash_attention_forward
+
+
+def _per_sequence_sdpa(query, key, value, ends: torch.Tensor, scale, groups: int) -> torch.Tensor:
+    """Exact packed causal attention without a mask when varlen attention is refused (rare): one SDPA per
+    sequence. ``query [1, N, T, D]`` (BNSD) -> ``[1, T, N, Dv]``."""
+    outs, start = [], 0
+    key = key.repeat_interleave(groups, dim=1) if groups > 1 else key
+    value = value.repeat_interleave(groups, dim=1) if groups > 1 else value
+    for end in ends.tolist():
+        sl = slice(start, end)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, sl], key[:, :, sl], value[:, :, sl], is_causal=True, scale=scale))
+        start = end
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
+
+
+def _sdpa_takeover(original):
+    """``sdpa_attention_forward(module, query [1, N, T, D], ...)`` -> varlen attention when the pre-hook
+    passed the offsets; else ``original``."""
+
+    @functools.wraps(original)
+    def sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs):
+        ends = kwargs.pop(SEQ_ENDS_KWARG, None)
+        if ends is None:
+            return original(module, query, key, value, attention_mask, *args, **kwargs)
+        dropout = args[0] if args else kwargs.get("dropout", 0.0)
+        scaling = args[1] if len(args) > 1 else kwargs.get("scaling")
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if attention_mask is None and not dropout and query.shape[0] == 1:
+            out = _varlen(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), ends, scale)
+            if out is not None:
+                return out, None
+        if attention_mask is not None:
+            raise VarlenIntegrationError(
+                "qwen_npu: sdpa got both packed-sequence offsets and an attention mask; the pre-hook passes no "
+                f"mask ({_versions()}): report this"
+            )
+        return _per_sequence_sdpa(query, key, value, ends, scale, query.shape[1] // key.shape[1]), None
+
+    sdpa_attention_forward._qwen_npu_original = original
+    return sdpa_attention_forward
+
+
+def _check_flash_signature(function, where: str):
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError) as exc:
+        raise VarlenIntegrationError(f"qwen_npu: cannot read the signature of {where} ({_versions()}): {exc}")
+    missing = [p for p in _FA_PARAMETERS if p not in parameters]
+    if missing:
+        raise VarlenIntegrationError(
+            f"qwen_npu: {where} lacks the parameters {missing} ({_versions()}); the packed-sequence integration "
+            "supports transformers 4.57.6-5.24 and verl 0.9.1"
+        )
+    return parameters
+
+
+def _install_flash_takeover() -> str:
+    """Wrap the ``_flash_attention_forward`` that transformers' (or verl's Ulysses) FA2 entry point calls."""
+    import transformers.integrations.flash_attention as fa_integration
+
+    current = getattr(fa_integration, "_flash_attention_forward", None)
+    if current is None:
+        raise VarlenIntegrationError(
+            f"qwen_npu: transformers.integrations.flash_attention has no _flash_attention_forward ({_versions()})"
+        )
+    verl_patch = sys.modules.get("verl.models.transformers.monkey_patch")
+    ulysses = getattr(verl_patch, "_ulysses_flash_attention_forward", None) if verl_patch else None
+    if ulysses is not None and current is ulysses:
+        owner, where = verl_patch, "verl.models.transformers.monkey_patch._flash_attention_forward"
+    else:
+        owner, where = fa_integration, "transformers.integrations.flash_attention._flash_attention_forward"
+    inner = getattr(owner, "_flash_attention_forward", None)
+    if getattr(inner, "_qwen_npu_original", None) is not None:
+        return where
+    if inner is None:
+        raise VarlenIntegrationError(f"qwen_npu: {where} is missing ({_versions()})")
+    parameters = _check_flash_signature(inner, where)
+    names = tuple(parameters)
+    owner._flash_attention_forward = _flash_takeover(inner, names[names.index("query_length") + 1:])
+    return where
+
+
+def _install_sdpa_takeover() -> str:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    current = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if getattr(current, "_qwen_npu_original", None) is None:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = _sdpa_takeover(current)
+    return "ALL_ATTENTION_FUNCTIONS['sdpa']"
+
+
+def install(model: nn.Module) -> list[str]:
+    """Put the packed-sequence path in place for ``model`` (see the module docstring).
+
+    Called by :func:`~qwen_npu_compile.maybe_compile` when it compiles the layers and the attention
+    family is enabled. Idempotent per model and per process.
+
+    Args:
+        model: a transformers decoder model (possibly PEFT/FSDP-wrapped).
+
+    Returns:
+        What was installed (for the log line): the hooked base model and the taken-over entry points;
+        ``[]`` when the model's attention implementation is not taken over.
+
+    Raises:
+        VarlenIntegrationError: transformers or verl changed what this relies on (the message names the
+            versions).
+    """
+    base = _base_model(model)
+    if base is None:
+        return []
+    implementation = _attn_implementation(getattr(base, "config", None))
+    if implementation not in RULES:
+        log.info("qwen_npu: attn_implementation %r: packed micro-batches keep transformers' path", implementation)
+        return []
+    _check_base_model(base)
+    installed = []
+    if not getattr(base, "_qwen_npu_varlen_hook", None):
+        base._qwen_npu_varlen_hook = base.register_forward_pre_hook(_packed_pre_hook, with_kwargs=True)
+    installed.append(f"{type(base).__name__} forward pre-hook")
+    installed.append(_install_flash_takeover() if implementation == "flash_attention_2" else _install_sdpa_takeover())
+    return installed

@@ -181,8 +181,12 @@ def test_every_registered_variant_matches_a_realistic_graph(corpus):
 
 
 def test_attention_declares_exactly_its_table_rows(npu_ops):
-    """Each row is compiled alone on transformers' attention functions by test_attention_variants.py."""
-    assert _declared("attention") == [row.name for row in attention.SPELLINGS]
+    """Each row is compiled alone on transformers' attention functions by test_attention_variants.py; the
+    packed-sequence variants come first, one per row a packed graph shows (test_attention_varlen.py)."""
+    from qwen_npu_compile.patterns import attention_varlen
+
+    varlen = [attention_varlen.variant_name(row) for row in attention_varlen.VARLEN_ROWS]
+    assert _declared("attention") == varlen + [row.name for row in attention.SPELLINGS]
 
 
 def test_variant_counts_add_up_to_the_fusions(corpus):

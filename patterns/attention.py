@@ -136,6 +136,7 @@ from qwen_npu_compile.fusion import (
     FamilyPass,
     FusionFamily,
     PatternVariant,
+    count_applied,
     current_target,
     exact_pattern,
     meta_val,
@@ -716,11 +717,28 @@ def _variant(row: Spelling) -> PatternVariant:
 # --------------------------------------------------------------------------------------------------
 
 
+#: Variant name of a ``qwen_npu.varlen_attention`` that the captured graph already holds because the
+#: packed-sequence integration put it in place of transformers' flash-attention / SDPA call at trace time
+#: (:mod:`qwen_npu_compile.integrations.varlen`, per-layer compile): its limits were checked there.
+TAKEOVER_VARIANT = "varlen_packed_offsets"
+
+
+def count_varlen_takeovers(graph: torch.fx.Graph) -> int:
+    """Count (as fusions of :data:`TAKEOVER_VARIANT`) the ``qwen_npu.varlen_attention`` calls ``graph``
+    holds before the attention pass runs; returns their number."""
+    from qwen_npu_compile.npu_ops import varlen_attention
+
+    count = len(graph.find_nodes(op="call_function", target=varlen_attention.OP))
+    count_applied(TAKEOVER_VARIANT, count)
+    return count
+
+
 class AttentionPass(FamilyPass):
     """The attention pattern pass (after :func:`spell_key_transposes`), then
     :func:`.attention_mask.share_mask_conversions` and :func:`.attention_varlen.share_seq_ends`."""
 
     def apply(self, gm: torch.fx.GraphModule, recorder) -> int:
+        taken_over = count_varlen_takeovers(gm.graph)
         spell_key_transposes(gm.graph)
         count = super().apply(gm, recorder)
         if count:
@@ -728,7 +746,7 @@ class AttentionPass(FamilyPass):
             from . import attention_varlen  # imports this module
 
             attention_varlen.share_seq_ends(gm.graph)
-        return count
+        return count + taken_over
 
 
 class AttentionFamily(FusionFamily):

@@ -80,7 +80,10 @@ def check_call(op: str, query, key, value, head_num: int, *, atten_mask=None, ke
 
 
 def _check_mask_values(op: str, atten_mask) -> None:
-    if atten_mask is not None and not torch.equal(atten_mask.bool(), fa.compressed_causal_mask(atten_mask.device)):
+    if atten_mask is None:
+        return
+    expected = fa._cpu_compressed_causal_mask() if atten_mask.device.type == "cpu" else fa.compressed_causal_mask(atten_mask.device)
+    if not torch.equal(atten_mask.bool(), expected):
         raise RuntimeError(f"{op}: the compressed causal mask must be torch.triu(torch.ones(2048, 2048), "
                            "diagonal=1).bool(); got another 2048x2048 mask")
 

@@ -92,6 +92,20 @@ def _definitely(condition) -> bool:
     return guard_or_false(condition)
 
 
+def _ends_tensor_violation(ends: torch.Tensor, name: str = "seq_ends") -> str | None:
+    if ends.dtype != torch.int64 or ends.dim() != 1:
+        return f"{name} must be a 1-D int64 tensor of cumulative end offsets, got {ends.dtype}{list(ends.shape)}"
+    return None
+
+
+def _host_ends(op: str, seq_ends: torch.Tensor) -> list[int]:
+    """The kernels' offsets as a host list (one copy for a device tensor), after checking the tensor."""
+    reason = _ends_tensor_violation(seq_ends) if isinstance(seq_ends, torch.Tensor) else "seq_ends must be a tensor"
+    if reason is not None:
+        raise RuntimeError(f"{NAMESPACE}::{op}: {reason}")
+    return [int(e) for e in seq_ends.tolist()]
+
+
 def offsets_violation(ends, total, *, name: str = "seq_ends", strict: bool = True) -> str | None:
     """Why ``ends`` are not valid cumulative end offsets of packed sequences over ``total`` tokens, or None.
 
@@ -107,8 +121,9 @@ def offsets_violation(ends, total, *, name: str = "seq_ends", strict: bool = Tru
         strict: require strictly increasing offsets.
     """
     if isinstance(ends, torch.Tensor):
-        if ends.dtype != torch.int64 or ends.dim() != 1:
-            return f"{name} must be a 1-D int64 tensor of cumulative end offsets, got {ends.dtype}{list(ends.shape)}"
+        reason = _ends_tensor_violation(ends, name)
+        if reason is not None:
+            return reason
         count = ends.shape[0]
     else:
         count = len(ends)
@@ -293,7 +308,7 @@ def varlen_attention(
     Raises:
         RuntimeError: a limit of :func:`varlen_violation` is broken (the message names it).
     """
-    ends = [int(e) for e in seq_ends.tolist()]
+    ends = _host_ends("varlen_attention", seq_ends)
     _check("varlen_attention", query, key, value, ends, head_num, sparse_mode)
     ensure_npu_ops()
     out, softmax_max, softmax_sum = torch.ops.npu.npu_fusion_attention.default(
@@ -342,7 +357,7 @@ def varlen_attention_backward(
     Raises:
         RuntimeError: a limit of :func:`varlen_violation` is broken, or dy is not shaped like the output.
     """
-    ends = [int(e) for e in seq_ends.tolist()]
+    ends = _host_ends("varlen_attention_backward", seq_ends)
     _check_backward(dy, query, key, value, ends, head_num, sparse_mode)
     ensure_npu_ops()
     dq, dk, dv = torch.ops.npu.npu_fusion_attention_grad.default(
@@ -452,9 +467,32 @@ def _fake_seq_ends(position_ids, rule):
     op = f"{NAMESPACE}::seq_ends_from_positions"
     _check_rule(rule, op)
     row = _position_row(position_ids, op)
-    tokens = row.shape[0]
-    count = torch.library.get_ctx().new_dynamic_size(min=1, max=tokens if isinstance(tokens, int) else None)
-    return position_ids.new_empty((count,), dtype=torch.int64, device="cpu")
+    return position_ids.new_empty((_sequence_count(position_ids, row.shape[0]),), dtype=torch.int64, device="cpu")
+
+
+def _sequence_count(position_ids, tokens):
+    """The data-dependent B (an unbacked SymInt, 1 <= B <= T) of :func:`_fake_seq_ends`.
+
+    ``torch.library.get_ctx().new_dynamic_size`` refuses when the shape environment disallows
+    data-dependent output shapes, which is Dynamo's default without ``fullgraph`` (torch 2.13
+    ``_dynamo/output_graph.py``: ``allow_dynamic_output_shape_ops=one_graph or
+    config.capture_dynamic_output_shape_ops``). This op is mostly inserted by the backend into a graph
+    Dynamo already captured, whose AOTAutograd trace shares that environment; there the size is created
+    from the FakeTensor's shape environment directly (as torch's own ``device_mesh`` op does), bounded
+    with ``torch._check``. Dynamo tracing a user's call without ``fullgraph`` gets the same size, so it
+    keeps the op in the graph too.
+    """
+    bound = tokens if isinstance(tokens, int) else None
+    try:
+        return torch.library.get_ctx().new_dynamic_size(min=1, max=bound)
+    except torch._subclasses.fake_tensor.DynamicOutputShapeException:
+        shape_env = getattr(getattr(position_ids, "fake_mode", None), "shape_env", None)
+        if shape_env is None:
+            raise
+    count = shape_env.create_unbacked_symint()
+    torch._check(count >= 1)
+    torch._check(count <= tokens)
+    return count
 
 
 def host_seq_ends(position_ids: torch.Tensor, rule: str = "restart") -> torch.Tensor:

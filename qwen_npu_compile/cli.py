@@ -10,6 +10,9 @@ With ``--downstream torchair`` on a host without an NPU, torchair's own FX→GE 
 (:mod:`qwen_npu_compile.torchair_offline`) and the check also fails on any node that did not convert.
 Exit status 0 only when every expected fusion happened and parity holds (1: check failed,
 2: bad arguments, the run would not fit in memory, or torchair could not be obtained).
+
+``report DIR...`` reads the dump folders of a finished run (one per rank) and prints fusions, refusals,
+GE conversion failures and graphs per call site: :mod:`qwen_npu_compile.run_report`.
 """
 
 from __future__ import annotations
@@ -76,6 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--dump-dir", type=Path, default=None, help="write graphs, report.json and summary.json here")
     check.add_argument("--json", type=Path, default=None, dest="json_path", metavar="FILE", help="write the results as JSON")
     check.add_argument("-v", "--verbose", action="store_true", help="log every qwen_npu line")
+    report = sub.add_parser(
+        "report",
+        help="read the dump folders of a run (summary.json / report.json) and say what fused",
+        description="Read every summary.json and report.json under DIR... (a run's dump_dir, one rank<N> folder per "
+                    "rank) and print, per graph and in total, fusions and already-fused per family, refusals by "
+                    "source line, GE conversion failures and graphs per call site. Exit status 1 when an enabled "
+                    "family refused an anchor (or a graph compiled unfused), 2 for bad arguments.",
+    )
+    report.add_argument("dirs", metavar="DIR", nargs="+", help="dump folders (dump_dir, rank<N>, or any folder above)")
+    report.add_argument("--json", default=None, dest="json_path", metavar="FILE",
+                        help="also write the report as JSON to FILE ('-': print only the JSON, to stdout)")
     return parser
 
 
@@ -84,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     from .torchair_offline.wheel import TorchairUnavailableError
 
     args = build_parser().parse_args(argv)
+    if args.command == "report":
+        from . import run_report
+
+        return run_report.main(args)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         result = run_check(args)

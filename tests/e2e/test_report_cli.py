@@ -1,0 +1,281 @@
+"""``qwen-npu-compile report DIR...`` (qwen_npu_compile/run_report.py) on real dump folders.
+
+One module fixture writes the dumps once (a tiny Qwen2 compiled per layer by ``maybe_compile`` with
+``QWEN_NPU_DUMP_DIR``, as verl's workers do): ``run/rank0`` (two sequence lengths: a recompile of the
+layer's frame) and ``run/rank1`` (a fresh "process": Dynamo and the report index reset, one length);
+``refused`` (an enabled family refuses: SwiGLU gate/up dtype mismatch), ``disabled`` (RMSNorm compiled
+with only swiglu enabled: a refusal of a disabled family) and ``ge`` (a graph whose torchair conversion
+failed: the report objects of the GE check, :class:`~qwen_npu_compile.torchair_offline.GeResults`,
+written by :func:`qwen_npu_compile.dump.publish`, since the real off-NPU conversion costs a minute in a
+subprocess; ``tests/e2e/test_torchair_offline.py`` covers that the conversion fills them).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+from qwen_npu_compile import cli, dump, maybe_compile
+from qwen_npu_compile.check.models import tiny_qwen2_config
+from qwen_npu_compile.config import QwenNpuConfig
+from qwen_npu_compile.patterns import expected_fusions
+from qwen_npu_compile.report import SUMMARY, GraphReport
+from qwen_npu_compile.torchair_offline import GeFailure, GeGraph, GeResults
+
+PER_LAYER = {"rms_norm": 2, "swiglu": 1, "rotary": 2, "attention": 1}  # one Qwen2 decoder layer's graph
+FAMILIES = ["rms_norm", "swiglu", "rotary", "attention"]
+
+
+def _fresh_process():
+    """What a new rank's process starts with: no Dynamo caches or frame numbers, report index 0."""
+    torch._dynamo.reset()
+    SUMMARY.clear()
+
+
+def _train_steps(folder: Path, lengths: tuple[int, ...]) -> dict[str, list[str]]:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("QWEN_NPU_COMPILE", "1")
+        env.setenv("QWEN_NPU_DUMP_DIR", str(folder))
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(tiny_qwen2_config(num_hidden_layers=2)).train()
+        compiled = maybe_compile(model)
+        for length in lengths:
+            ids = torch.randint(0, 128, (2, length))
+            model(input_ids=ids, labels=ids).loss.backward()
+    return {name: [report.name for report in reports] for name, reports in compiled.reports().items()}
+
+
+def mismatched_swiglu(gate, up):
+    return torch.nn.functional.silu(gate) * up  # SWIGLU_LINE
+
+
+SWIGLU_LINE = next(number for number, line in enumerate(inspect.getsource(mismatched_swiglu).splitlines(),
+                                                          start=inspect.getsourcelines(mismatched_swiglu)[1])
+                   if "SWIGLU_LINE" in line)
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory, npu_ops):
+    root = tmp_path_factory.mktemp("report")
+    layers = {}
+    _fresh_process()
+    layers["rank0"] = _train_steps(root / "run" / "rank0", (8, 12))
+    _fresh_process()
+    layers["rank1"] = _train_steps(root / "run" / "rank1", (8,))
+
+    _fresh_process()
+    gate, up = torch.randn(2, 8, dtype=torch.float16), torch.randn(2, 8, dtype=torch.bfloat16)
+    torch.compile(mismatched_swiglu, backend="qwen_npu", options={"dump_dir": str(root / "refused")})(gate, up)
+
+    _fresh_process()
+    torch.compile(Qwen2RMSNorm(16), backend="qwen_npu",
+                  options={"dump_dir": str(root / "disabled"), "fusions": "swiglu"})(torch.randn(2, 16))
+
+    _fresh_process()
+    report = GraphReport(name="g000_0_0", simulated=True, downstream="torchair", families=FAMILIES,
+                         fusions={"rms_norm": 1, "swiglu": 0, "rotary": 0, "attention": 0},
+                         anchors={"rms_norm": 1}, already_fused=dict.fromkeys(FAMILIES, 0))
+    failure = {"error": "NotImplementedError: layout TND", "source": "npu_flash_attention.py:214", "graph": "graph_1",
+               "kind": "converter"}
+    report.ge = GeResults(torch_npu="2.13.0", torchair="offline", mode="max-autotune",
+                          graphs=[GeGraph(name="graph_1", kind="forward", ops={"RmsNorm": 1, "Data": 3})],
+                          failures=[GeFailure(op="npu.npu_fusion_attention.default", node="attn", **failure),
+                                    GeFailure(op="npu.npu_fusion_attention.default", node="attn_1", **failure)])
+    dump.publish(report, QwenNpuConfig.from_options({"dump_dir": str(root / "ge")}))
+    _fresh_process()
+    return root, layers
+
+
+def run_report(capsys, *args) -> tuple[int, str, str]:
+    status = cli.main(["report", *map(str, args)])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def table_row(out: str, *first_cells: str) -> list[str]:
+    """The cells of the printed table row starting with ``first_cells`` (one blank-separated cell each)."""
+    rows = [line.split() for line in out.splitlines() if line.split()[: len(first_cells)] == list(first_cells)]
+    assert len(rows) == 1, (first_cells, out)
+    return rows[0]
+
+
+def test_per_layer_graphs_are_what_the_expectation_says():
+    assert {family: count for family, count in expected_fusions(Qwen2Config(), per_layer=True).items()
+            if family in PER_LAYER} == PER_LAYER
+
+
+def test_two_ranks_table_and_json(dumps, capsys, tmp_path):
+    root, layers = dumps
+    # every decoder layer ran the same graphs: g000_0_0 (length 8), then the recompile g001_0_1 (length 12)
+    assert layers["rank0"] == {"model.layers.0": ["g000_0_0", "g001_0_1"], "model.layers.1": ["g000_0_0", "g001_0_1"]}
+    assert layers["rank1"] == {"model.layers.0": ["g000_0_0"], "model.layers.1": ["g000_0_0"]}
+    run = root / "run"
+    status, out, err = run_report(capsys, run, "--json", tmp_path / "r.json")
+    assert status == 0, out + err
+    assert err == ""
+    r0, r1 = str(run / "rank0"), str(run / "rank1")
+    assert table_row(out, "dump", "graph") == ["dump", "graph", *FAMILIES, "refused", "GE", "failed", "downstream"]
+    assert table_row(out, r0, "g000_0_0") == [r0, "g000_0_0", "2", "1", "2", "1", "0", "0", "aot_eager"]
+    assert table_row(out, r0, "g001_0_1") == [r0, "g001_0_1", "2", "1", "2", "1", "0", "0", "aot_eager"]
+    assert table_row(out, r1, "g000_0_0") == [r1, "g000_0_0", "2", "1", "2", "1", "0", "0", "aot_eager"]
+    assert table_row(out, "total") == ["total", "3", "graph(s)", "6", "3", "6", "3", "0", "0"]
+    assert table_row(out, r0, "0") == [r0, "0", "2", "2", "1", "g000_0_0,", "g001_0_1"]
+    assert table_row(out, r1, "0") == [r1, "0", "1", "1", "0", "g000_0_0"]
+    assert "refusals by source line: none" in out and "GE conversion failures: none" in out
+    assert out.splitlines()[0] == "qwen-npu-compile report: 3 graph(s) in 2 dump folder(s) (5 file(s) read)"
+    assert out.splitlines()[-2].startswith("status 0")
+
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["format"] == 1 and report["exit_status"] == 0 and report["why"] == []
+    assert report["files_read"] == 5 and report["warnings"] == []  # 2 summaries + 3 report.json, graphs once
+    assert report["families"] == FAMILIES
+    assert [(d["dump"], d["rank"], d["graphs"], d["summary"], d["simulated"]) for d in report["dumps"]] == [
+        (r0, 0, 2, True, True), (r1, 1, 1, True, True)]
+    assert report["dumps"][0]["versions"]["torch"] == torch.__version__
+    assert [(g["dump"], g["name"], g["compile_id"], g["frame"], g["frame_compile"]) for g in report["graphs"]] == [
+        (r0, "g000_0_0", "0/0", 0, 0), (r0, "g001_0_1", "0/1", 0, 1), (r1, "g000_0_0", "0/0", 0, 0)]
+    for graph in report["graphs"]:
+        assert graph["fusions"] == PER_LAYER and graph["anchors"] == PER_LAYER
+        assert graph["already_fused"] == dict.fromkeys(FAMILIES, 0) and graph["missed"] == {}
+        assert graph["families"] == FAMILIES and graph["refused"] == 0 and graph["ge_failures"] == 0
+        assert graph["file"].endswith("report.json")
+    assert report["totals"] == {
+        "graphs": 3, "fusions": {"rms_norm": 6, "swiglu": 3, "rotary": 6, "attention": 3},
+        "already_fused": dict.fromkeys(FAMILIES, 0), "missed": {}, "refused": 0, "refused_disabled": 0,
+        "ge_failures": 0, "unfused_graphs": 0, "downstream_fallbacks": 0}
+    assert report["refusals"] == [] and report["ge_failures"] == []
+    assert report["call_sites"] == [
+        {"dump": r0, "rank": 0, "frame": 0, "compiled_autograd": None, "graphs": 2, "names": ["g000_0_0", "g001_0_1"],
+         "compiles": 2, "recompiles": 1},
+        {"dump": r1, "rank": 1, "frame": 0, "compiled_autograd": None, "graphs": 1, "names": ["g000_0_0"],
+         "compiles": 1, "recompiles": 0}]
+
+    # --json -: the same object, alone on stdout
+    status, out, _ = run_report(capsys, run, "--json", "-")
+    assert status == 0 and json.loads(out) == report
+    # a rank folder named twice (directly and through its parent) is read once
+    status, out, _ = run_report(capsys, run, run / "rank0", "--json", "-")
+    assert status == 0 and json.loads(out)["totals"]["graphs"] == 3
+
+
+def test_enabled_family_refusal_exits_1(dumps, capsys):
+    root, _ = dumps
+    refused = root / "refused"
+    status, out, err = run_report(capsys, refused, "--json", "-")
+    assert status == 1, err
+    report = json.loads(out)
+    (graph,) = report["graphs"]
+    assert graph["fusions"] == {"rms_norm": 0, "swiglu": 0, "rotary": 0, "attention": 0}
+    assert graph["missed"] == {"swiglu": 1} and graph["refused"] == 1
+    source = f"test_report_cli.py:{SWIGLU_LINE}"
+    (group,) = report["refusals"]
+    assert group["source"] == source and group["count"] == 1
+    (reason,) = group["reasons"]
+    assert (reason["family"], reason["enabled"], reason["count"]) == ("swiglu", True, 1)
+    assert reason["reason"].startswith("dtype mismatch") and reason["graphs"] == [f"{refused}/{graph['name']}"]
+    assert report["totals"]["missed"] == {"swiglu": 1} and report["totals"]["refused_disabled"] == 0
+    assert report["why"] == [f"{refused}/{graph['name']}: swiglu refused 1 time(s) although enabled"]
+
+    status, out, _ = run_report(capsys, root / "run", refused)
+    assert status == 1
+    assert table_row(out, str(refused), graph["name"])[2:9] == ["0", "0", "!1", "0", "0", "1", "0"]
+    assert table_row(out, "total") == ["total", "4", "graph(s)", "6", "3", "!1", "6", "3", "1", "0"]
+    assert f"  {source}  (1)" in out.splitlines()
+    assert any(line.startswith("       1 x swiglu (enabled): dtype mismatch") for line in out.splitlines())
+    assert "status 1: enabled families fused less than they could (1)" in out
+
+
+def test_disabled_family_refusal_is_listed_and_exits_0(dumps, capsys):
+    root, _ = dumps
+    status, out, _ = run_report(capsys, root / "disabled", "--json", "-")
+    assert status == 0
+    report = json.loads(out)
+    (graph,) = report["graphs"]
+    assert graph["families"] == ["swiglu"] and graph["fusions"] == {"swiglu": 0} and graph["missed"] == {}
+    (group,) = report["refusals"]
+    assert group["source"].startswith("modeling_qwen2.py:") and group["count"] == 1
+    (reason,) = group["reasons"]
+    assert (reason["family"], reason["enabled"]) == ("rms_norm", False)
+    assert reason["reason"] == "family 'rms_norm' is disabled (fusions=['swiglu'])"
+    assert report["totals"]["refused"] == 1 and report["totals"]["refused_disabled"] == 1
+    status, out, _ = run_report(capsys, root / "disabled")
+    assert table_row(out, str(root / "disabled"), graph["name"])[2:6] == ["off", "0", "1", "0"]
+    assert any(line.startswith("       1 x rms_norm (disabled): family 'rms_norm' is disabled") for line in out.splitlines())
+
+
+def test_ge_conversion_failures_are_grouped_by_source_line(dumps, capsys):
+    root, _ = dumps
+    status, out, _ = run_report(capsys, root / "ge", "--json", "-")
+    assert status == 0  # GE failures are reported, not part of the fusion status
+    report = json.loads(out)
+    (graph,) = report["graphs"]
+    assert (graph["ge_failures"], graph["ge_graphs"], graph["downstream"]) == (2, 1, "torchair")
+    assert report["ge_failures"] == [{"source": "npu_flash_attention.py:214", "count": 2, "failures": [
+        {"op": "npu.npu_fusion_attention.default", "kind": "converter", "error": "NotImplementedError: layout TND",
+         "count": 2, "graphs": [f"{root / 'ge'}/g000_0_0"]}]}]
+    status, out, _ = run_report(capsys, root / "ge")
+    assert table_row(out, str(root / "ge"), "g000_0_0")[2:9] == ["1", "0", "0", "0", "0", "2", "torchair"]
+    assert "GE conversion failures by source line (2)" in out
+    assert "     2 x npu.npu_fusion_attention.default (converter): NotImplementedError: layout TND" in out
+
+
+def test_bad_arguments_exit_2(dumps, capsys, tmp_path):
+    status, out, err = run_report(capsys, tmp_path / "missing")
+    assert (status, out) == (2, "")
+    assert err == f"qwen-npu-compile report: error: no such folder: {str(tmp_path / 'missing')!r} (give the dump_dir " \
+                  "of a run, or a rank<N> folder in it)\n"
+    (tmp_path / "file").write_text("x")
+    status, _, err = run_report(capsys, tmp_path / "file")
+    assert status == 2 and "not a folder" in err
+    (tmp_path / "empty").mkdir()
+    status, _, err = run_report(capsys, dumps[0] / "run", tmp_path / "empty")
+    assert status == 2 and f"no readable summary.json or report.json under {str(tmp_path / 'empty')!r}" in err
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "summary.json").write_text("[1, 2]")
+    status, _, err = run_report(capsys, tmp_path / "junk")
+    assert status == 2 and "Traceback" not in err
+    assert f"warning: {tmp_path / 'junk' / 'summary.json'}: not a qwen_npu summary.json (a JSON list" in err
+    assert "(1 found, none readable)" in err
+    with pytest.raises(SystemExit) as info:  # argparse: no DIR
+        cli.main(["report"])
+    assert info.value.code == 2
+
+
+def test_malformed_files_are_skipped_with_a_warning(dumps, capsys, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(dumps[0] / "run", run)
+    summary = run / "rank1" / "summary.json"
+    summary.write_text(summary.read_text()[:100])  # a run killed mid-write
+    report_json = run / "rank0" / "g001_0_1" / "report.json"
+    report_json.write_text("{not json")
+    status, out, err = run_report(capsys, run, "--json", "-")
+    assert status == 0 and "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith(f"qwen-npu-compile report: warning: {report_json}: not valid JSON (")
+    assert lines[1].startswith(f"qwen-npu-compile report: warning: {summary}: not valid JSON (")
+    report = json.loads(out)
+    # each graph is still read from its other file: rank0's g001_0_1 from the summary, rank1's from report.json
+    assert [(g["name"], Path(g["file"]).name) for g in report["graphs"]] == [
+        ("g000_0_0", "report.json"), ("g001_0_1", "summary.json"), ("g000_0_0", "report.json")]
+    assert report["totals"]["fusions"] == {"rms_norm": 6, "swiglu": 3, "rotary": 6, "attention": 3}
+    assert report["files_read"] == 3 and len(report["warnings"]) == 2
+    assert [d["summary"] for d in report["dumps"]] == [True, False]
+
+
+def test_many_files_print_progress(dumps, capsys, tmp_path):
+    for copy in range(7):  # 7 copies of rank0: 21 files, 14 graphs
+        shutil.copytree(dumps[0] / "run" / "rank0", tmp_path / f"job{copy}" / "rank0")
+    status, out, err = run_report(capsys, tmp_path, "--json", "-")
+    assert status == 0
+    assert err.splitlines() == ["qwen-npu-compile report: reading 21 files", "qwen-npu-compile report: read 21 files"]
+    report = json.loads(out)
+    assert report["totals"]["graphs"] == 14 and report["files_read"] == 21
+    assert [d["dump"] for d in report["dumps"]] == [str(tmp_path / f"job{copy}" / "rank0") for copy in range(7)]

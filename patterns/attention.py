@@ -748,6 +748,11 @@ class AttentionPass(FamilyPass):
             attention_varlen.share_seq_ends(gm.graph)
         return count + taken_over
 
+    def anchor_nodes(self, graph: torch.fx.Graph) -> list[torch.fx.Node]:
+        """The family's anchors, less the softmaxes that are not attention (:func:`is_linear_logits_softmax`):
+        those are neither near misses nor counted as anchors."""
+        return [node for node in super().anchor_nodes(graph) if not is_linear_logits_softmax(node)]
+
 
 class AttentionFamily(FusionFamily):
     """SDPA / eager attention (after repeat_kv) -> ``npu_fusion_attention``; 1 per layer."""
@@ -815,6 +820,27 @@ def spell_key_transposes(graph: torch.fx.Graph) -> int:
             graph.erase_node(kt)
         count += 1
     return count
+
+
+#: Ops that pass scores through unchanged in kind (casts and views): walked over to find what made them.
+_PASS_THROUGH = (aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.view.default,
+                 aten.reshape.default, aten.contiguous.default, aten.clone.default)
+
+
+def is_linear_logits_softmax(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a softmax of the logits of a linear layer (an activation times a weight:
+    ``aten.linear``, after casts and views), such as the MoE router's ``softmax(linear(x, gate.weight))``
+    (transformers ``Qwen3MoeTopKRouter`` / ``Qwen2MoeTopKRouter``, 4.57's ``self.gate`` nn.Linear). Attention
+    scores are a product of two activations (``matmul(q, k.transpose(2, 3))``, or SDPA), never a
+    linear layer, so such a softmax is not attention and not an attention near miss."""
+    if node.target is not aten.softmax.int or not node.args:
+        return False
+    scores = node.args[0]
+    for _ in range(len(_PASS_THROUGH) + 1):
+        if not isinstance(scores, torch.fx.Node) or scores.target not in _PASS_THROUGH:
+            break
+        scores = scores.args[0]
+    return isinstance(scores, torch.fx.Node) and scores.target is aten.linear.default
 
 
 def _describe_eager_chain(softmax: torch.fx.Node) -> str | None:

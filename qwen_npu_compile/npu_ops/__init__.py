@@ -33,6 +33,7 @@ EMITTED_OPS = (
     "npu_rotary_mul_backward",
     "npu_fusion_attention",
     "npu_fusion_attention_grad",
+    "npu_grouped_matmul",  # no backward op: qwen_npu::grouped_matmul's backward is npu_grouped_matmul again
 )
 
 

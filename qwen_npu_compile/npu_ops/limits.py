@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.fx
 
-from . import add_rms_norm, fusion_attention, gate_up_proj, rms_norm, rotary_mul, swiglu, varlen_attention
+from . import add_rms_norm, fusion_attention, gate_up_proj, grouped_matmul, rms_norm, rotary_mul, swiglu, varlen_attention
 
 
 def _rotary(backward: bool):
@@ -41,6 +41,10 @@ def _varlen(a, downstream):
                                              sparse_mode=a.get("sparse_mode", 3), downstream=downstream)
 
 
+def _val(item):
+    return item.meta.get("val") if isinstance(item, torch.fx.Node) else item
+
+
 #: ``"namespace::op"`` -> its limit function over the schema-bound arguments and the downstream.
 CHECKS: dict[str, Callable[[dict, str | None], str | None]] = {
     "npu::npu_rotary_mul": _rotary(backward=False),
@@ -56,6 +60,11 @@ CHECKS: dict[str, Callable[[dict, str | None], str | None]] = {
         a["self"], a.get("dim", -1), downstream=downstream),
     "qwen_npu::gate_up_proj": lambda a, downstream: gate_up_proj.gate_up_proj_violation(
         a["x"], a["w_gate"], a["w_up"], downstream=downstream),
+    "qwen_npu::grouped_matmul": lambda a, downstream: grouped_matmul.grouped_matmul_violation(
+        a["x"], a["weight"], a["group_list"], downstream=downstream),
+    "npu::npu_grouped_matmul": lambda a, downstream: grouped_matmul.npu_call_violation(
+        [_val(t) for t in a["x"]], [_val(t) for t in a["weight"]], a.get("group_list"), a.get("group_type"),
+        downstream=downstream),
     "npu::npu_fusion_attention": _attention,
     "npu::npu_fusion_attention_grad": _attention,
     "qwen_npu::varlen_attention": _varlen,

@@ -7,9 +7,9 @@ the lifetime of the process.
 
 import torch
 
-from . import add_rms_norm, fusion_attention, rms_norm, rotary_mul, swiglu
+from . import add_rms_norm, fusion_attention, grouped_matmul, rms_norm, rotary_mul, swiglu
 
 LIBRARY = torch.library.Library("npu", "FRAGMENT")
 
-for _module in (rms_norm, add_rms_norm, swiglu, rotary_mul, fusion_attention):
+for _module in (rms_norm, add_rms_norm, swiglu, rotary_mul, fusion_attention, grouped_matmul):
     _module.register(LIBRARY)

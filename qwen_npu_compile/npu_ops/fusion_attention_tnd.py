@@ -16,7 +16,8 @@ agree when Sq_b == Skv_b. Outputs: ``attention_out [Tq, Nq, Dv]`` (q's dtype), `
 ``softmax_sum`` fp32 ``[Tq, Nq, 8]`` (torch_npu's Meta kernel's TND shape; the docs say ``[N, T, 8]``),
 softmax_out ``[0]``, seed, offset, numels 0. The grad op returns ``(dq, dk, dv, dpse [0], dsink [0] fp32)``.
 
-Limits: :func:`~.varlen_attention.tnd_violation` (offsets non-decreasing here, last == T). Not simulated
+Limits: :func:`~.varlen_attention.tnd_violation` (offsets non-decreasing here, so an empty sequence is
+skipped; last == T). Not simulated
 in TND (RuntimeError): dropout (``keep_prob < 1``: the real kernel's per-sequence Philox stream has no
 faithful CPU counterpart), ``pse``, an explicit mask with ``sparse_mode`` 0, ``softmax_layout``, and
 everything the other layouts refuse (``padding_mask``, ``prefix``, ``sink``, ``dropout_mask``).

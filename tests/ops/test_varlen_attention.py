@@ -126,6 +126,21 @@ def test_stand_in_tnd_with_different_query_and_key_lengths(mode):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
+def test_stand_in_tnd_skips_an_empty_sequence():
+    # the stand-in's offsets only need to be non-decreasing: an empty sequence contributes nothing
+    q, k, v = make_qkv([16, 16], 4, 2, 64)
+    mask = compressed_causal_mask()
+    with_empty = fa(q, k, v, 4, "TND", atten_mask=mask, scale=0.125, actual_seq_qlen=[16, 16, 32],
+                    actual_seq_kvlen=[16, 16, 32], sparse_mode=3)
+    without = fa(q, k, v, 4, "TND", atten_mask=mask, scale=0.125, actual_seq_qlen=(16, 32), actual_seq_kvlen=(16, 32),
+                 sparse_mode=3)
+    for a, b in zip(with_empty[:3], without[:3]):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    # the op itself takes strictly increasing offsets only (varlen_violation)
+    with pytest.raises(RuntimeError, match="strictly increasing"):
+        va.OP(q, k, v, torch.tensor([16, 16, 32]), 4, 0.125)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # transformers' own NPU flash-attention functions, on the stand-in
 
@@ -435,3 +450,14 @@ def test_stand_in_tnd_fake_matches_the_wheels_meta_kernel():
                                   (q, k, v, q, 4, "TND"), dict(common, softmax_max=stats, softmax_sum=stats,
                                                                attention_in=q, scale_value=0.125))
     assert set(backward) == {3}  # dpse: the wheel's Meta gives None, the stand-in an empty [0] (as for BSH)
+
+
+def test_opcheck():
+    # schema, fake kernel, autograd registration and AOTAutograd (static and dynamic) of each op
+    q, k, v = make_qkv([3, 6, 2], 4, 2, 64)
+    ends = ends_of([3, 6, 2])
+    torch.library.opcheck(va.OP, (q, k, v, ends, 4, 0.125))
+    out, smax, ssum = (t.detach() for t in va.OP(q, k, v, ends, 4, 0.125))
+    torch.library.opcheck(va.BACKWARD_OP, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, smax, ssum,
+                                           ends, 4, 0.125))
+    torch.library.opcheck(va.SEQ_ENDS_OP, (torch.tensor([[0, 1, 2, 0, 1]]), "zero"))

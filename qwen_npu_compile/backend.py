@@ -64,12 +64,14 @@ def qwen_npu_backend(
             f"qwen_npu: torch.compile(mode={mode!r}) is not supported; choose the downstream backend with "
             "options={'downstream': 'torchair'|'aot_eager'|'eager'|'inductor'}"
         )
-    config = QwenNpuConfig.from_options(options)
+    # A dump folder that cannot be written must not stop training: dumping turns itself off with one
+    # warning at the first failing write (dump.py); `check` and maybe_compile refuse it up front.
+    config = QwenNpuConfig.from_options(options, dump_dir_errors="defer")
     status = ensure_npu_ops()
     downstream = resolve_downstream(config, status)
     report, rewritten = rewrite(gm, example_inputs, config, status, downstream)
     refuse_in_strict_mode(report, config)
-    constants = emit.lift_constants(rewritten)
+    rewritten, constants = lift_constants(gm, rewritten, report, config)
     try:
         compiled = hand_off(downstream, rewritten, [*example_inputs, *constants], report, config)
     except torch._dynamo.exc.RestartAnalysis:
@@ -118,19 +120,81 @@ def rewrite(gm, example_inputs, config: QwenNpuConfig, status: NpuOpsStatus, dow
     except Exception as exc:  # noqa: BLE001 - a retrace failure must never crash the user's compile
         # Never a silent wrong result: compile the captured graph as it is, unfused, and say so.
         reason = str(exc) if isinstance(exc, canonicalize.CanonicalizationError) else f"{type(exc).__name__}: {exc}"
-        report.fallback = reason
-        report.fusions = dict.fromkeys(families, 0)
-        log.warning("qwen_npu %s: fusion skipped, compiling the graph unfused: %s", report.name, reason)
-        return report, gm
+        return compile_unfused(report, gm, "canonicalize", reason)
     report.seconds["canonicalize"] = time.perf_counter() - start
     dump.write_graph(config, report, "captured", gm)
     dump.write_graph(config, report, "canonical", aten_gm)
 
-    result = fuse(aten_gm, config, target=CompileTarget(downstream, status.simulated))
-    emit.record(report, result)
-    emit.finalize(aten_gm)
+    # The fuse and emit stages rewrite aten_gm in place: when one raises (a bug of ours, never the
+    # user's), the half-rewritten graph is dropped and the captured graph compiles unfused.
+    try:
+        result = fuse(aten_gm, config, target=CompileTarget(downstream, status.simulated))
+    except torch._dynamo.exc.RestartAnalysis:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        family = _traceback_local(exc, "family", str)
+        where = f"the {family} pass raised" if family else "a fusion pass raised"
+        return compile_unfused(report, gm, "fuse", f"{where}: {type(exc).__name__}: {exc}")
+    try:
+        emit.record(report, result)
+        emit.finalize(aten_gm)
+    except Exception as exc:  # noqa: BLE001
+        return compile_unfused(report, gm, "emit", f"finishing the rewritten graph failed: {type(exc).__name__}: {exc}")
     dump.write_graph(config, report, "rewritten", aten_gm)
     return report, aten_gm
+
+
+#: The stages of :func:`qwen_npu_backend`, as named in ``report.fallback_stage`` and strict mode's errors.
+STAGES = ("canonicalize", "fuse", "emit", "hand-off", "dump", "report")
+
+
+def compile_unfused(report: GraphReport, gm: torch.fx.GraphModule, stage: str, reason: str):
+    """Record that ``stage`` failed and the captured ``gm`` compiles unfused; log the one warning.
+
+    Returns:
+        ``(report, gm)``, as :func:`rewrite` does.
+    """
+    report.fallback = reason
+    report.fallback_stage = stage
+    report.fusions = dict.fromkeys(report.families, 0)
+    # what a failed pass half-counted describes a graph that is not compiled
+    report.variants, report.anchors, report.already_fused, report.refused = {}, {}, {}, []
+    log.warning("qwen_npu %s: fusion skipped (%s stage), compiling the graph unfused: %s", report.name, stage, reason)
+    return report, gm
+
+
+def lift_constants(gm: torch.fx.GraphModule, rewritten: torch.fx.GraphModule, report: GraphReport,
+                   config: QwenNpuConfig) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
+    """:func:`qwen_npu_compile.emit.lift_constants` of ``rewritten``; when that raises, the captured ``gm``
+    compiles unfused (emit stage; strict mode raises), its constants lifted if they can be, else left as
+    ``get_attr`` (which AOTAutograd, eager and Inductor accept).
+
+    Returns:
+        ``(graph to hand off, its lifted constants)``.
+    """
+    try:
+        return rewritten, emit.lift_constants(rewritten)
+    except Exception as exc:  # noqa: BLE001
+        if rewritten is not gm:
+            compile_unfused(report, gm, "emit", f"lifting the graph's constants failed: {type(exc).__name__}: {exc}")
+            refuse_in_strict_mode(report, config)
+            try:
+                return gm, emit.lift_constants(gm)
+            except Exception as again:  # noqa: BLE001
+                exc = again
+        log.debug("qwen_npu %s: constants not lifted (%s: %s)", report.name, type(exc).__name__, exc)
+        return gm, []
+
+
+def _traceback_local(exc: BaseException, name: str, kind: type):
+    """The innermost frame local ``name`` of type ``kind`` along ``exc``'s traceback, or None."""
+    found, tb = None, exc.__traceback__
+    while tb is not None:
+        value = tb.tb_frame.f_locals.get(name)
+        if isinstance(value, kind):
+            found = value
+        tb = tb.tb_next
+    return found
 
 
 def refuse_in_strict_mode(report: GraphReport, config: QwenNpuConfig) -> None:
@@ -144,7 +208,8 @@ def refuse_in_strict_mode(report: GraphReport, config: QwenNpuConfig) -> None:
         return
     if report.fallback and report.families:
         publish(report, config)
-        raise FusionError(f"qwen_npu strict mode: {report.name} compiled unfused: {report.fallback}")
+        raise FusionError(f"qwen_npu strict mode: {report.name} compiled unfused ({report.fallback_stage} stage "
+                          f"failed): {report.fallback}")
     refused = [r for r in report.refused if r.family in report.families]
     if refused:
         publish(report, config)
@@ -153,13 +218,25 @@ def refuse_in_strict_mode(report: GraphReport, config: QwenNpuConfig) -> None:
 
 
 def publish(report: GraphReport, config: QwenNpuConfig) -> None:
-    """Record ``report`` in the process's reports, log its line (and the near-miss warning), dump it."""
-    SUMMARY.add(report)
-    log.info(report.log_line())
-    missed = [f for f in report.families if report.fusions[f] == 0 and report.anchors.get(f, 0) > 0]
-    if missed:
-        log.warning(
-            "qwen_npu %s: enabled famil%s %s found %s anchor op(s) but fused nothing; %s",
-            report.name, "y" if len(missed) == 1 else "ies", missed, [report.anchors[f] for f in missed], _DUMP_HINT,
-        )
+    """Record ``report`` in the process's reports, log its line (and the near-miss warning), dump it.
+
+    The report stage never stops the compiled graph: a failure here is one warning (strict mode: a
+    :class:`FusionError` naming the report stage); dump failures are :mod:`~qwen_npu_compile.dump`'s.
+    """
+    try:
+        if not any(graph is report for graph in SUMMARY.graphs):
+            SUMMARY.add(report)
+        log.info(report.log_line())
+        missed = [f for f in report.families if report.fusions.get(f, 0) == 0 and report.anchors.get(f, 0) > 0]
+        if missed:
+            log.warning(
+                "qwen_npu %s: enabled famil%s %s found %s anchor op(s) but fused nothing; %s",
+                report.name, "y" if len(missed) == 1 else "ies", missed, [report.anchors[f] for f in missed], _DUMP_HINT,
+            )
+    except Exception as exc:  # noqa: BLE001 - reporting must never stop the user's training
+        if config.strict:
+            raise FusionError(f"qwen_npu strict mode: {report.name}: the report stage failed: "
+                              f"{type(exc).__name__}: {exc}") from exc
+        log.warning("qwen_npu %s: the report stage failed (%s: %s); the compiled graph runs, its report may be "
+                    "incomplete", report.name, type(exc).__name__, exc)
     dump.publish(report, config)

@@ -26,8 +26,10 @@ torchair settings (used only when the downstream is ``torchair``; option / envir
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -91,18 +93,26 @@ class QwenNpuConfig:
 
     @classmethod
     def from_options(
-        cls, options: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None
+        cls, options: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None,
+        *, dump_dir_errors: str = "raise",
     ) -> QwenNpuConfig:
         """Build the config from ``torch.compile`` options, falling back to the environment.
 
         Args:
             options: the ``options=`` dict given to ``torch.compile`` (may be None).
             environ: the environment to read (default ``os.environ``).
+            dump_dir_errors: ``"raise"`` (default): a ``dump_dir`` that cannot be written
+                (:func:`dump_dir_problem`) is a ``ValueError``; ``"defer"``: it is kept, and the first
+                failing write turns dumping off with one warning (the backend inside a training run:
+                dumps never stop training, :mod:`qwen_npu_compile.dump`).
 
         Raises:
-            ValueError: an unknown option key, an unknown family, a malformed boolean or an unknown
-                downstream; the message names the valid choices and where the value came from.
+            ValueError: an unknown option key, an unknown family, a malformed boolean, an unknown
+                downstream or (``dump_dir_errors="raise"``) a dump folder that cannot be written; the
+                message names the valid choices and where the value came from.
         """
+        if dump_dir_errors not in ("raise", "defer"):
+            raise ValueError(f"dump_dir_errors must be 'raise' or 'defer', got {dump_dir_errors!r}")
         if options is not None and not isinstance(options, Mapping):
             raise ValueError(f"qwen_npu: options must be a dict such as {{'fusions': 'all'}}, got {options!r}")
         options = dict(options or {})
@@ -128,8 +138,10 @@ class QwenNpuConfig:
         if dump_value not in (None, "") and not isinstance(dump_value, (str, os.PathLike)):
             raise ValueError(f"qwen_npu: {where} must be a folder path (str or Path), got {dump_value!r}")
         dump_dir = Path(os.fspath(dump_value)).expanduser() if dump_value not in (None, "") else None
-        if dump_dir is not None and dump_dir.exists() and not dump_dir.is_dir():
-            raise ValueError(f"qwen_npu: {where} = {str(dump_dir)!r} exists and is not a folder; choose a folder path")
+        problem = dump_dir_problem(dump_dir) if dump_dir is not None and dump_dir_errors == "raise" else None
+        if problem is not None:
+            raise ValueError(f"qwen_npu: {where} = {str(dump_dir)!r} {problem}; choose a folder you can write "
+                             f"(or unset it: dumping is off by default)")
 
         downstream_value, where = pick("downstream")
         downstream = None
@@ -161,6 +173,34 @@ class QwenNpuConfig:
         torchair_run_eagerly = None if eagerly_value in (None, "") else parse_bool(eagerly_value, where)
         return cls(fusions=fusions, dump_dir=dump_dir, downstream=downstream, strict=strict,
                    torchair_mode=torchair_mode, torchair_dump=torchair_dump, torchair_run_eagerly=torchair_run_eagerly)
+
+
+def dump_dir_problem(path: Path) -> str | None:
+    """Why graph dumps cannot be written under ``path``, or None when they can.
+
+    ``path`` need not exist: its nearest existing ancestor must be a folder in which a file can be
+    created (probed with a temporary file, removed at once; permission bits alone say nothing for root,
+    nor about ``/proc``, read-only mounts or a full disk).
+
+    Returns:
+        ``"exists and is not a folder"``, ``"cannot be created: <ancestor> is not a folder"`` or
+        ``"cannot be written: <ancestor>: <OS error>"``; None when writable.
+    """
+    if path.exists() and not path.is_dir():
+        return "exists and is not a folder"
+    existing = path.absolute()
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"cannot be created: {str(existing)!r} is not a folder"
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".qwen_npu_probe_", dir=existing)
+    except OSError as exc:
+        return f"cannot be written: {str(existing)!r}: {exc.strerror or exc}"
+    os.close(handle)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+    return None
 
 
 def parse_fusions(value: object, where: str = "fusions") -> frozenset[str]:

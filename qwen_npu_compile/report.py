@@ -10,6 +10,9 @@ folder's ``summary.json``) is :mod:`qwen_npu_compile.dump`'s job.
 ``[{"family", "reason", "source", "node"}]``. Field ``variants`` (added in issue 13):
 ``{variant name: replacements applied}`` for the variants that matched, e.g.
 ``{"rms_norm_half": 5, "swiglu_linear_silu_left": 2}``; per family they add up to ``fusions``.
+Fields ``fallback_stage`` and ``downstream_fallbacks`` (added in issue 21): the stage whose failure made
+the graph compile unfused, and every time the downstream backend failed and the graph ran one step
+further down (``torchair`` → ``aot_eager`` → ``eager``; :mod:`qwen_npu_compile.handoff`).
 """
 
 from __future__ import annotations
@@ -19,20 +22,17 @@ import logging
 import platform
 import threading
 from collections import Counter
-from typing import TYPE_CHECKING
 
 import torch
 
 from .fusion import Refusal
 
-if TYPE_CHECKING:
-    from .torchair_offline.convert import GeResults
-
 log = logging.getLogger("qwen_npu_compile")
 
 
 class FusionError(RuntimeError):
-    """Raised in strict mode when an enabled family refused or near-missed a match."""
+    """Raised in strict mode when an enabled family refused or near-missed a match, or when a stage
+    (canonicalize, fuse, emit, hand-off, dump, report) failed where the default is to fall back."""
 
 
 @dataclasses.dataclass
@@ -42,7 +42,10 @@ class GraphReport:
     Attributes:
         name: unique in the process, ``g<index>_<dynamo compile id>``.
         simulated: True when the npu ops are this package's stand-ins.
-        downstream: the backend the rewritten graph went to.
+        downstream: what actually runs the graph: the configured downstream backend, or what it fell back
+            to (``"aot_eager"`` after torchair failed on every AOT graph it was given, ``"eager"`` after
+            aot_eager failed; ``"torchair+aot_eager"`` when torchair runs some of the graph's AOT graphs
+            and the others run eagerly). See ``downstream_fallbacks``.
         families: the enabled families.
         fusions: per family, the number of subgraphs replaced by a fused op.
         variants: per pattern variant name, the replacements it applied (matched variants only).
@@ -51,9 +54,18 @@ class GraphReport:
         refused: every refusal and near miss, with reason and model source line.
         seconds: wall time per stage (``canonicalize``, ``fuse``), seconds.
         aot_ops: npu op counts in the AOT ``forward`` and ``backward`` graphs (aot_eager downstream).
-        fallback: why the graph was compiled unfused (it could not be retraced faithfully), or None.
+        fallback: why the graph was compiled unfused (it could not be retraced faithfully, or a stage of
+            ours raised), or None.
+        fallback_stage: the stage that failed when ``fallback`` is set (``"canonicalize"``, ``"fuse"`` or
+            ``"emit"``), else None.
+        downstream_fallbacks: each failure of the downstream backend this graph survived, oldest first:
+            ``{"backend": failed backend, "ran": what runs instead, "graph": "whole" | "forward" |
+            "backward" | "inference", "when": "compile" | "first run", "node": FX node or None,
+            "source": model source line, "error": "<type>: <message>"}``.
         ge: torchair's FX→GE conversion of this graph when the downstream is torchair off-NPU (torch_npu
-            version, GE op counts per GE graph, every node that failed to convert), else None.
+            version, GE op counts per GE graph, every node that failed to convert), else None; a
+            ``qwen_npu_compile.torchair_offline.GeResults`` (not imported here: torchair_offline imports
+            this module, never the other way round).
     """
 
     name: str
@@ -69,7 +81,9 @@ class GraphReport:
     aot_ops: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     dump_path: str | None = None
     fallback: str | None = None
-    ge: GeResults | None = None
+    fallback_stage: str | None = None
+    downstream_fallbacks: list[dict] = dataclasses.field(default_factory=list)
+    ge: object | None = None  # torchair_offline.GeResults
 
     def as_dict(self) -> dict:
         data = dataclasses.asdict(self)
@@ -84,6 +98,8 @@ class GraphReport:
             refused += f"; {len(self.ge.failures)} node(s) failed GE conversion"
         if self.fallback:
             refused += f"; UNFUSED: {self.fallback}"
+        for fell in self.downstream_fallbacks:
+            refused += f"; {fell['backend']} failed ({fell['graph']}, {fell['when']}): ran {fell['ran']}"
         return (
             f"qwen_npu [{'simulated' if self.simulated else 'real'} npu ops] {self.name}: fused {fused}"
             f"{extra}{refused}; downstream {self.downstream}"
@@ -120,16 +136,23 @@ def versions() -> dict[str, str | None]:
     }
 
 
+#: The torch_npu version of the off-NPU torchair imported in this process (set by
+#: :func:`note_offline_torchair`, which ``torchair_offline.importer`` calls), or None.
+_OFFLINE_TORCHAIR: list[str] = []
+
+
+def note_offline_torchair(torch_npu_version: str) -> None:
+    """Record that the off-NPU torchair of ``torch_npu_version`` is imported (for :func:`versions`).
+
+    Called by :func:`qwen_npu_compile.torchair_offline.importer.import_torchair`: the dependency runs
+    from torchair_offline to this module only (no import cycle).
+    """
+    _OFFLINE_TORCHAIR[:] = [torch_npu_version]
+
+
 def _offline_torchair_version() -> str | None:
     """The torch_npu version of the off-NPU torchair loaded in this process, or None."""
-    import sys
-
-    if "qwen_npu_compile.torchair_offline" not in sys.modules:
-        return None
-    from .torchair_offline import loaded_offline_torchair
-
-    offline = loaded_offline_torchair()
-    return offline.torch_npu_version if offline is not None else None
+    return _OFFLINE_TORCHAIR[0] if _OFFLINE_TORCHAIR else None
 
 
 class Summary:

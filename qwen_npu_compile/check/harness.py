@@ -130,6 +130,13 @@ def run_check(args: argparse.Namespace) -> dict:
     options = {key: value for key, value in options.items() if value is not None}
     backend_config = QwenNpuConfig.from_options(options)
     chosen_downstream = resolve_downstream(backend_config, ensure_npu_ops())
+    if chosen_downstream == "torchair" and ensure_npu_ops().simulated:
+        from ..torchair_offline.importer import missing_protobuf
+        from ..torchair_offline.wheel import TorchairUnavailableError
+
+        missing = missing_protobuf()  # before the wheel is obtained or anything is built
+        if missing is not None:
+            raise TorchairUnavailableError(missing)
     fusions = backend_config.fusions
     config = models.resolve_model_config(args.model)
     layers = args.layers or config.num_hidden_layers
@@ -243,8 +250,9 @@ def run_check(args: argparse.Namespace) -> dict:
         if downstream == "aot_eager":
             for family, count in fused.items():
                 op = BACKWARD_OPS[family]
-                if backward_ops.get(op, 0) != count:
-                    problems.append(f"AOT backward holds {backward_ops.get(op, 0)} {op}, expected {count}")
+                want = count * patterns.FAMILIES[family].backward_per_fusion
+                if backward_ops.get(op, 0) != want:
+                    problems.append(f"AOT backward holds {backward_ops.get(op, 0)} {op}, expected {want}")
 
     result = {
         "model": info,

@@ -51,6 +51,29 @@ class OfflineTorchair:
         return self.sources.torch_npu_version
 
 
+#: What to install when protobuf is missing (the pin of the project's requirements.txt).
+PROTOBUF_HINT = "pip install 'qwen_npu_compile[torchair-offline]' (or pip install 'protobuf>=3.13'; requirements.txt pins the tested version)"
+
+
+def missing_protobuf() -> str | None:
+    """Why protobuf cannot be imported (torchair builds GE graphs with it), or None when it can.
+
+    ``importlib.util.find_spec("google.protobuf")`` imports the parent package ``google`` first and
+    raises ``ModuleNotFoundError`` when no ``google`` package is installed at all (a plain
+    ``pip install -e .``), so both a missing parent and a missing ``protobuf`` are answered here.
+
+    Returns:
+        A one-line message naming what to install, or None.
+    """
+    try:
+        found = importlib.util.find_spec("google.protobuf") is not None
+    except (ImportError, ValueError):  # no `google` package at all; or google.__spec__ is None
+        found = False
+    if found:
+        return None
+    return f"torchair needs protobuf (>=3.13) to build GE graphs, and it is not installed: {PROTOBUF_HINT}"
+
+
 def import_torchair(sources: TorchairSources) -> OfflineTorchair:
     """Import ``torchair`` from ``sources`` once per process (later calls return the same module).
 
@@ -66,8 +89,9 @@ def import_torchair(sources: TorchairSources) -> OfflineTorchair:
             raise TorchairUnavailableError(f"a torchair from {where} is already imported in this process; the off-NPU check "
                                f"cannot load the one of {sources.wheel} beside it (use a fresh process)")
         return OfflineTorchair(present, loaded_from, 0.0)
-    if importlib.util.find_spec("google.protobuf") is None:
-        raise TorchairUnavailableError("torchair needs protobuf (>=3.13) to build GE graphs: pip install protobuf")
+    missing = missing_protobuf()
+    if missing is not None:
+        raise TorchairUnavailableError(missing)
 
     from qwen_npu_compile.npu_ops import ensure_npu_ops
 
@@ -105,4 +129,7 @@ def import_torchair(sources: TorchairSources) -> OfflineTorchair:
     if backend is not None and hasattr(backend, "finalize_graph_engine"):
         atexit.unregister(backend.finalize_graph_engine)
     setattr(module, OFFLINE_MARK, sources)
+    from qwen_npu_compile.report import note_offline_torchair
+
+    note_offline_torchair(sources.torch_npu_version)
     return OfflineTorchair(module, sources, time.perf_counter() - start)

@@ -173,10 +173,15 @@ class Dumps:
     warnings: list[str]
 
 
+def _natural(name: str) -> list:
+    """Sort key that puts ``rank2`` before ``rank10``."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
 def _find_files(folder: Path) -> list[Path]:
     found = []
     for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames.sort()
+        dirnames.sort(key=_natural)
         for name in (SUMMARY_FILE, REPORT_FILE):
             if name in filenames:
                 found.append(Path(dirpath) / name)

@@ -362,18 +362,42 @@ def _install_flash_takeover() -> str:
     verl_patch = sys.modules.get("verl.models.transformers.monkey_patch")
     ulysses = getattr(verl_patch, "_ulysses_flash_attention_forward", None) if verl_patch else None
     if ulysses is not None and current is ulysses:
-        owner, where = verl_patch, "verl.models.transformers.monkey_patch._flash_attention_forward"
-    else:
-        owner, where = fa_integration, "transformers.integrations.flash_attention._flash_attention_forward"
-    inner = getattr(owner, "_flash_attention_forward", None)
-    if getattr(inner, "_qwen_npu_original", None) is not None:
-        return where
-    if inner is None:
-        raise VarlenIntegrationError(f"qwen_npu: {where} is missing ({_versions()})")
-    parameters = _check_flash_signature(inner, where)
-    names = tuple(parameters)
-    owner._flash_attention_forward = _flash_takeover(inner, names[names.index("query_length") + 1:])
+        # verl's apply_monkey_patch (run for every model it builds) put its wrapper in: take over what it calls
+        where = "verl.models.transformers.monkey_patch._flash_attention_forward"
+        inner = getattr(verl_patch, "_flash_attention_forward", None)
+        if inner is None:
+            raise VarlenIntegrationError(f"qwen_npu: {where} is missing ({_versions()})")
+        if getattr(inner, "_qwen_npu_original", None) is None:
+            verl_patch._flash_attention_forward = _flash_takeover(inner, _after_query_length(inner, where))
+        fa_integration._flash_attention_forward = _ulysses_dispatch(ulysses)
+        return where + " (inside verl's Ulysses wrapper; with sp > 1 the wrapper runs outside the graph)"
+    where = "transformers.integrations.flash_attention._flash_attention_forward"
+    if getattr(current, "_qwen_npu_original", None) is None:
+        fa_integration._flash_attention_forward = _flash_takeover(current, _after_query_length(current, where))
     return where
+
+
+def _after_query_length(function, where: str) -> tuple[str, ...]:
+    names = tuple(_check_flash_signature(function, where))
+    return names[names.index("query_length") + 1:]
+
+
+def _ulysses_dispatch(ulysses_forward):
+    """verl's Ulysses wrapper as flash attention's entry point: traced (sp == 1: it only calls the taken-over
+    ``_flash_attention_forward``) or, with sp > 1, run outside Dynamo (``torch.compiler.disable``): its
+    list-form ``dist.all_to_all`` (``verl/utils/ulysses.py`` ``SeqAllToAll``) is not traceable off torchair
+    (torch 2.13 ``traceable_collective_remaps`` lacks it), so the all-to-all, the varlen attention between them
+    and the all-to-all back run eagerly, once per layer, and the layer's graph splits around them."""
+    island = torch.compiler.disable(ulysses_forward, recursive=True)
+
+    @functools.wraps(ulysses_forward)
+    def _flash_attention_forward(*args, **kwargs):
+        if _ulysses_group()[1] > 1:
+            return island(*args, **kwargs)
+        return ulysses_forward(*args, **kwargs)
+
+    _flash_attention_forward._qwen_npu_original = ulysses_forward
+    return _flash_attention_forward
 
 
 def _install_sdpa_takeover() -> str:

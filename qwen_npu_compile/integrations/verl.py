@@ -154,11 +154,29 @@ def _signature_problem(function) -> str | None:
     return None
 
 
+def _refuse_sdpa_with_ulysses(engine, module) -> None:
+    """verl patches only the flash-attention entry point for Ulysses (``monkey_patch.apply_monkey_patch``
+    replaces ``flash_attention._flash_attention_forward``); with ``sdpa`` (or ``eager``) and sp > 1 each rank
+    would attend only within its T/sp slice, silently wrong (shared/reference/verl-default-path.md §1.2)."""
+    size = getattr(getattr(engine, "engine_config", None), "ulysses_sequence_parallel_size", 1) or 1
+    config = getattr(module, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    if size > 1 and implementation is not None and not str(implementation).startswith("flash_attention"):
+        raise ValueError(
+            f"qwen_npu: {ENV_COMPILE}=1 with ulysses_sequence_parallel_size={size} and attn_implementation="
+            f"{implementation!r}: verl {verl_version()} sends only flash attention through its Ulysses all-to-all, "
+            f"so every rank would attend within its own 1/{size} of the sequence. Use attn_implementation="
+            "'flash_attention_2' (verl's default: drop override_config.attn_implementation) or "
+            "ulysses_sequence_parallel_size=1"
+        )
+
+
 def _compiling_build_fsdp_module(original: Callable) -> Callable:
     @functools.wraps(original)
     def _build_fsdp_module(self, module):
         if compile_requested():
             _refuse_flat_parameters(self)
+            _refuse_sdpa_with_ulysses(self, module)
             _compile_before_wrap(module, f"{type(self).__name__}.{ENGINE_METHOD}:")
         return original(self, module)
 

@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from qwen_npu_compile import maybe_compile
 from qwen_npu_compile.check.harness import run_model
@@ -25,14 +25,18 @@ from qwen_npu_compile.integrations.npu_host import simulated_npu_host
 from qwen_npu_compile.npu_ops import varlen_attention
 from qwen_npu_compile.worker import ENV_COMPILE
 
+from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.patterns.attention import TAKEOVER_VARIANT
 
 from conftest import assert_runs_match
 
 #: head_dim 64 (a realistic width), GQA 4/2.
 CONFIG = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
-#: One decoder layer's graph: rms_norm 2, swiglu 1, rotary 2, attention 1 (the varlen takeover).
-PER_LAYER = {"rms_norm": 2, "swiglu": 1, "rotary": 2, "attention": 1}
+#: One decoder layer's graph: rms_norm 2, swiglu 1, rotary 2, attention 1 (the varlen takeover), from the
+#: families' own declarations (a family with nothing to fuse in Qwen2 expects 0).
+PER_LAYER = expected_fusions(Qwen2Config(), per_layer=True)
+assert {k: PER_LAYER[k] for k in ("rms_norm", "swiglu", "rotary", "attention")} == {
+    "rms_norm": 2, "swiglu": 1, "rotary": 2, "attention": 1}
 
 
 def packed(lens: list[int], seed: int = 0) -> dict:

@@ -485,3 +485,92 @@ def test_the_real_verl_has_the_hooked_function():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("QWEN_NPU", "VERL_USE_EXTERNAL"))}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------------------------------
+# verl's default configuration: flash_attention_2, use_remove_padding (packed micro-batches), dynamic batch
+# size, gradient checkpointing, FSDP2; Ulysses sp=2 on 2 gloo ranks (issue 19)
+
+#: verl's defaults; flash_attention_2 runs transformers' own NPU flash-attention functions with the
+#: simulated npu ops (qwen_npu_compile.integrations.npu_host.simulated_npu_host, entered by the driver).
+DEFAULT_PATH = {"strategy": "fsdp2", "attn_implementation": "flash_attention_2", "use_remove_padding": True,
+                "use_dynamic_bsz": True, "gradient_checkpointing": True, "steps": 6}
+DEFAULT_SCENARIOS = {
+    "fa2_packed_fp32": {**DEFAULT_PATH, "param_dtype": "fp32"},
+    "fa2_packed_bf16": {**DEFAULT_PATH, "param_dtype": "bf16", "steps": 3},
+    "sdpa_packed_fp32": {**DEFAULT_PATH, "attn_implementation": "sdpa", "param_dtype": "fp32", "steps": 3},
+}
+ULYSSES_SCENARIOS = {
+    "fa2_packed_sp2": {**DEFAULT_PATH, "param_dtype": "fp32", "ulysses": 2, "steps": 3},
+    "sdpa_sp2": {**DEFAULT_PATH, "attn_implementation": "sdpa", "param_dtype": "fp32", "ulysses": 2, "steps": 2},
+}
+
+
+def run_scenarios(tmp_path: Path, name: str, env: dict, scenarios: dict) -> dict:
+    spec = tmp_path / f"{name}.json"
+    spec.write_text(json.dumps(scenarios))
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("QWEN_NPU", "VERL_USE_EXTERNAL"))}
+    proc = subprocess.run([sys.executable, str(ENGINE_RUN), str(spec), str(tmp_path / f"{name}.out.json")],
+                          env={**base, **env}, capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads((tmp_path / f"{name}.out.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def default_path_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("verl_default_path")
+    env = {"VERL_USE_EXTERNAL_MODULES": "qwen_npu_compile.verl"}
+    sp2 = {"VERL_ENGINE_RUN_WORLD_SIZE": "2"}
+    return {
+        "off": run_scenarios(tmp, "off", env, DEFAULT_SCENARIOS),
+        "on": run_scenarios(tmp, "on", {**env, ENV_COMPILE: "1"}, DEFAULT_SCENARIOS),
+        "sp2_off": run_scenarios(tmp, "sp2_off", {**env, **sp2}, {"fa2_packed_sp2": ULYSSES_SCENARIOS["fa2_packed_sp2"]}),
+        "sp2_on": run_scenarios(tmp, "sp2_on", {**env, **sp2, ENV_COMPILE: "1"}, ULYSSES_SCENARIOS),
+    }
+
+
+@pytest.mark.verl
+@needs_verl
+@pytest.mark.parametrize("scenario", list(DEFAULT_SCENARIOS))
+def test_verl_default_path_runs_varlen_in_one_graph_per_layer(default_path_runs, scenario):
+    """verl's defaults with QWEN_NPU_COMPILE=1: every layer call site compiles at most 2 graphs over all the
+    steps' packings (the first shape, then one dynamic graph), each fused 2/1/2/1 with the varlen attention,
+    no layer ran eagerly, losses and gradients equal the unset run."""
+    off, on = default_path_runs["off"][scenario], default_path_runs["on"][scenario]
+    assert "error" not in off and "error" not in on, (off.get("error"), on.get("error"), on.get("traceback"))
+    settings = DEFAULT_SCENARIOS[scenario]
+    assert len({tuple(lens) for lens in on["micro_batch_lengths"]}) == settings["steps"]  # a new packing each step
+    assert on["compiled_layers"] == ["model.layers.0", "model.layers.1"]
+    for name, layer in on["layers"].items():
+        assert 1 <= len(layer["fusions"]) <= 2, (name, layer["fusions"])
+        assert all(fusions == PER_LAYER for fusions in layer["fusions"]), (name, layer["fusions"])
+        assert all(variants.get("varlen_packed_offsets") == 1 for variants in layer["variants"]), layer["variants"]
+        assert layer["calls"]["eager"] == 0 and layer["calls"]["checkpointed"] > settings["steps"], layer["calls"]
+    assert on["graphs"] <= 2 * 2  # forward graphs of 2 call-site compiles (all layers share them), <= 2 shapes
+    assert on["graphs_after_step"][-1] == on["graphs_after_step"][0], on["graphs_after_step"]  # no new graphs later
+    assert_matches(on, off, settings["param_dtype"])
+
+
+@pytest.mark.verl
+@needs_verl
+def test_verl_ulysses_sp2_matches_the_unset_run(default_path_runs):
+    """Ulysses sp=2 on 2 gloo ranks: verl's all-to-all around attention keeps working (global offsets), the
+    layers fuse rms_norm/swiglu/rotary and run the varlen attention between the all-to-alls, parity."""
+    off, on = default_path_runs["sp2_off"]["fa2_packed_sp2"], default_path_runs["sp2_on"]["fa2_packed_sp2"]
+    assert "error" not in off and "error" not in on, (off.get("error"), on.get("traceback"))
+    assert on["compiled_layers"] == ["model.layers.0", "model.layers.1"]
+    for layer in on["layers"].values():
+        assert layer["calls"]["eager"] == 0
+        totals = {family: sum(f[family] for f in layer["fusions"]) / max(1, len(layer["fusions"]) // 1)
+                  for family in ("rms_norm", "swiglu", "rotary")}
+        assert all(totals[family] > 0 for family in totals), layer["fusions"]
+    assert_matches(on, off, "fp32")
+
+
+@pytest.mark.verl
+@needs_verl
+def test_verl_sdpa_with_ulysses_is_refused_at_build(default_path_runs):
+    error = default_path_runs["sp2_on"]["sdpa_sp2"]["error"]
+    assert error.startswith("ValueError: qwen_npu: QWEN_NPU_COMPILE=1 with ulysses_sequence_parallel_size=2 and "
+                            "attn_implementation='sdpa'"), error
+    assert "flash_attention_2" in error

@@ -113,33 +113,40 @@ class CPUPlatform(PlatformBase):
 
 
 LENGTHS = (12, 16, 9, 16)  # padded to 16 per micro-batch: the attention graph has a padding mask
+#: verl's dynamic batch size (``use_dynamic_bsz``): per step 8 sequences of varying lengths, cut into
+#: micro-batches by a token budget, so T and the number of packed sequences change every micro-batch.
+DYNAMIC_TOKENS = 64
 
 
-def save_tiny_qwen2(folder: str) -> None:
-    from transformers import Qwen2ForCausalLM
-
-    from qwen_npu_compile.check.models import tiny_qwen2_config
-
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(tiny_qwen2_config(tie_word_embeddings=False, use_cache=True)).save_pretrained(folder)
+def lengths(step: int, settings: dict) -> list[int]:
+    if not settings.get("use_dynamic_bsz"):
+        return list(LENGTHS)
+    generator = torch.Generator().manual_seed(1000 + step)
+    return [int(n) for n in torch.randint(3, 30, (8,), generator=generator)]
 
 
-def batch(step: int):
-    """4 sequences as verl's SFT trainer hands them to the engine (nested, no padding) + its meta info."""
+def batch(step: int, settings: dict | None = None):
+    """The step's sequences as verl's trainer hands them to the engine (nested, no padding) + its meta info."""
     from verl.utils import tensordict_utils as tu
 
+    settings = settings or {}
+    lens = lengths(step, settings)
     generator = torch.Generator().manual_seed(100 + step)
-    ids = [torch.randint(0, 128, (n,), generator=generator) for n in LENGTHS]
+    ids = [torch.randint(0, 128, (n,), generator=generator) for n in lens]
     nested = functools.partial(torch.nested.as_nested_tensor, layout=torch.jagged)
+    non_tensor = {"use_remove_padding": settings.get("use_remove_padding", False),
+                  "use_dynamic_bsz": settings.get("use_dynamic_bsz", False), "micro_batch_size_per_gpu": 2,
+                  "temperature": 1.0, "global_batch_size": len(lens), "pad_mode": "no_padding", "pad_token_id": 0,
+                  "sp_size": settings.get("ulysses", 1)}
+    if settings.get("use_dynamic_bsz"):
+        non_tensor["max_token_len_per_gpu"] = DYNAMIC_TOKENS
     return tu.get_tensordict(
         tensor_dict={
             "input_ids": nested(ids),
-            "position_ids": nested([torch.arange(n) for n in LENGTHS]),
-            "loss_mask": nested([torch.ones(n, dtype=torch.long) for n in LENGTHS]),
+            "position_ids": nested([torch.arange(n) for n in lens]),
+            "loss_mask": nested([torch.ones(n, dtype=torch.long) for n in lens]),
         },
-        non_tensor_dict={"use_remove_padding": False, "use_dynamic_bsz": False, "micro_batch_size_per_gpu": 2,
-                         "temperature": 1.0, "global_batch_size": len(LENGTHS), "pad_mode": "no_padding",
-                         "pad_token_id": 0},
+        non_tensor_dict=non_tensor,
     )
 
 
@@ -170,34 +177,42 @@ def run(settings: dict, model_dir: str) -> dict:
 
     torch._dynamo.reset()
     SUMMARY.clear()
+    attn = settings.get("attn_implementation", "sdpa")
     model_config = HFModelConfig(
         path=model_dir, load_tokenizer=False,
-        override_config={"attn_implementation": "sdpa"},  # verl's default flash_attention_2 needs a GPU
-        use_remove_padding=False,  # packed sequences need flash-attention varlen
+        # flash_attention_2 is verl's default; off-NPU it runs transformers' own NPU flash-attention functions
+        # with the simulated npu ops (simulated_npu_host, entered by the caller)
+        override_config={"attn_implementation": attn},
+        use_remove_padding=settings.get("use_remove_padding", False),
         enable_gradient_checkpointing=settings["gradient_checkpointing"],
         external_lib="qwen_npu_compile.verl" if EXTERNAL_LIB else None,
     )
     engine_config = FSDPEngineConfig(strategy=settings["strategy"],
                                      use_orig_params=settings.get("use_orig_params", False),
                                      mixed_precision={"param_dtype": settings["param_dtype"]},
-                                     forward_only=settings.get("forward_only", False))
+                                     forward_only=settings.get("forward_only", False),
+                                     ulysses_sequence_parallel_size=settings.get("ulysses", 1))
     engine = FSDPEngineWithLMHead(model_config, engine_config, FSDPOptimizerConfig(lr=1e-3, total_training_steps=2),
                                   CheckpointConfig())
     engine.initialize()  # a reference model (forward_only) stops here on a CPU: FSDP2 pins its CPU-offloaded shards
     loss_function = functools.partial(sft_loss, None)  # sft_loss(config, model_output, data, dp_group)
     losses = []
+    graphs_after = []
     with engine.train_mode():
         engine.optimizer_zero_grad()
-        out = engine.forward_backward_batch(batch(0), loss_function, forward_only=False)
+        out = engine.forward_backward_batch(batch(0, settings), loss_function, forward_only=False)
         grads = {clean_name(name): full(p.grad).flatten().tolist()
                  for name, p in engine.module.named_parameters() if p.grad is not None}
         engine.optimizer_step()
         losses.append(sum(out["loss"]))
-        out = engine.train_batch(batch(1), loss_function)
-        losses.append(sum(out["loss"]))
+        for step in range(1, settings.get("steps", 2)):
+            out = engine.train_batch(batch(step, settings), loss_function)
+            losses.append(sum(out["loss"]))
+            graphs_after.append(len(SUMMARY.graphs))
     layers = {
         name: {"class": record.class_name, "calls": dict(record.calls),
-               "fusions": [dict(report.fusions) for report in record.reports]}
+               "fusions": [dict(report.fusions) for report in record.reports],
+               "variants": [dict(report.variants) for report in record.reports]}
         for name, record in layer_reports(engine.module).items()
     }
     return {
@@ -209,11 +224,41 @@ def run(settings: dict, model_dir: str) -> dict:
         "state_dict_keys": [clean_name(key) for key in engine.module.state_dict()],
         "compiled_layers": sorted(layers),
         "layers": layers,
+        "graphs": len(SUMMARY.graphs),  # qwen_npu graphs compiled in this scenario (all layers share them)
+        "graphs_after_step": graphs_after,
+        "micro_batch_lengths": [lengths(step, settings) for step in range(settings.get("steps", 2))],
     }
 
 
-def main(spec_path: str, out_path: str) -> int:
+def _rank(rank: int, world_size: int, spec_path: str, out_path: str, model_dir: str) -> None:
+    """One gloo rank: every scenario in order (the ranks of a scenario with Ulysses sp=2 form its group);
+    rank 0 writes ``out_path``."""
+    from qwen_npu_compile.integrations.npu_host import simulated_npu_host
+
     set_platform(CPUPlatform())
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    scenarios = json.loads(open(spec_path).read())
+    results = {}
+    hook_log = HookLog()
+    logging.getLogger("qwen_npu_compile").addHandler(hook_log)
+    for name, settings in scenarios.items():
+        hook_log.lines = []
+        host = simulated_npu_host() if settings.get("attn_implementation", "").startswith("flash") else nullcontext()
+        try:
+            with host:
+                results[name] = run(settings, model_dir)
+        except Exception as exc:  # recorded for the test (the FSDP1 refusal is expected)
+            results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        results[name]["hook_log"] = hook_log.lines
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def main(spec_path: str, out_path: str) -> int:
+    """``VERL_ENGINE_RUN_WORLD_SIZE`` (default 1) gloo ranks, spawned when more than one."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         import socket
@@ -221,24 +266,15 @@ def main(spec_path: str, out_path: str) -> int:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    scenarios = json.loads(open(spec_path).read())
-    results = {}
+    world_size = int(os.environ.get("VERL_ENGINE_RUN_WORLD_SIZE", "1"))
     with tempfile.TemporaryDirectory(prefix="verl_tiny_qwen2_") as model_dir:
         save_tiny_qwen2(model_dir)
-        hook_log = HookLog()
-        logging.getLogger("qwen_npu_compile").addHandler(hook_log)
-        for name, settings in scenarios.items():
-            hook_log.lines = []
-            try:
-                results[name] = run(settings, model_dir)
-            except Exception as exc:  # recorded for the test (the FSDP1 refusal is expected)
-                results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-            results[name]["hook_log"] = hook_log.lines
-    with open(out_path, "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
+        if world_size == 1:
+            _rank(0, 1, spec_path, out_path, model_dir)
+        else:
+            import torch.multiprocessing as mp
+
+            mp.spawn(_rank, args=(world_size, spec_path, out_path, model_dir), nprocs=world_size)
     return 0
 
 

@@ -3,6 +3,7 @@
 One module fixture writes the dumps once (a tiny Qwen2 compiled per layer by ``maybe_compile`` with
 ``QWEN_NPU_DUMP_DIR``, as verl's workers do): ``run/rank0`` (two sequence lengths: a recompile of the
 layer's frame) and ``run/rank1`` (a fresh "process": Dynamo and the report index reset, one length);
+``patched`` (RMSNorm monkey-patched to npu_rms_norm, as verl's ``npu_patch`` does: already fused),
 ``refused`` (an enabled family refuses: SwiGLU gate/up dtype mismatch), ``disabled`` (RMSNorm compiled
 with only swiglu enabled: a refusal of a disabled family) and ``ge`` (a graph whose torchair conversion
 failed: the report objects of the GE check, :class:`~qwen_npu_compile.torchair_offline.GeResults`,
@@ -42,6 +43,11 @@ def _fresh_process():
     SUMMARY.clear()
 
 
+def npu_patched_rms_norm(self, x):
+    """Qwen2RMSNorm.forward as verl's npu_patch replaces it (torch_npu.npu_rms_norm; the stand-in here)."""
+    return torch.ops.npu.npu_rms_norm(x.to(self.weight.dtype), self.weight, epsilon=self.variance_epsilon)[0]
+
+
 def _train_steps(folder: Path, lengths: tuple[int, ...]) -> dict[str, list[str]]:
     """Train steps of a tiny 2-layer Qwen2 compiled per layer, one per sequence length; each new length
     recompiles the layer's frame (static shapes keep the recompile as cheap as the first compile)."""
@@ -74,6 +80,11 @@ def dumps(tmp_path_factory, npu_ops):
     layers["rank0"] = _train_steps(root / "run" / "rank0", (8, 12))
     _fresh_process()
     layers["rank1"] = _train_steps(root / "run" / "rank1", (8,))
+
+    _fresh_process()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Qwen2RMSNorm, "forward", npu_patched_rms_norm)
+        layers["patched"] = _train_steps(root / "patched", (8,))
 
     _fresh_process()
     gate, up = torch.randn(2, 8, dtype=torch.float16), torch.randn(2, 8, dtype=torch.bfloat16)
@@ -305,3 +316,47 @@ def test_many_files_print_progress(dumps, capsys, tmp_path):
     report = json.loads(out)
     assert report["totals"]["graphs"] == 14 and report["files_read"] == 21
     assert [d["dump"] for d in report["dumps"]] == [str(tmp_path / f"job{copy}" / "rank0") for copy in copies]
+
+
+def test_monkey_patched_ops_count_as_already_fused(dumps, capsys):
+    root, layers = dumps
+    assert layers["patched"] == {"model.layers.0": ["g000_0_0"], "model.layers.1": ["g000_0_0"]}
+    patched = str(root / "patched")
+    status, out, _ = run_report(capsys, root / "patched", "--json", "-")
+    assert status == 0  # an anchor already fused is not one that could fuse
+    report = json.loads(out)
+    (graph,) = report["graphs"]
+    assert graph["fusions"] == {**PER_LAYER, "rms_norm": 0}
+    assert graph["already_fused"] == {**ZERO, "rms_norm": 2}
+    assert report["totals"]["already_fused"] == {**ZERO, "rms_norm": 2} and report["refusals"] == []
+    status, out, _ = run_report(capsys, root / "run", root / "patched")
+    assert graph_row(out, patched, "g000_0_0") == counted(
+        {**PER_LAYER, "rms_norm": "0+2a"}, dump=patched, graph="g000_0_0", refused="0",
+        **{"GE failed": "0", "downstream": "aot_eager"})
+    assert graph_row(out, "total") == counted(
+        {**{f: 4 * n for f, n in PER_LAYER.items()}, "rms_norm": "6+2a"}, dump="total", graph="4 graph(s)",
+        refused="0", **{"GE failed": "0"})
+
+
+@pytest.mark.parametrize(("compile_id", "expected"), [
+    (dict(frame_id=3, frame_compile_id=2), {"frame": 3, "compile": 2, "compiled_autograd": None, "id": "3/2"}),
+    (dict(frame_id=1, frame_compile_id=0, compiled_autograd_id=4),
+     {"frame": 1, "compile": 0, "compiled_autograd": 4, "id": "!4/1/0"}),
+    (dict(frame_id=None, frame_compile_id=None, compiled_autograd_id=0),
+     {"frame": None, "compile": None, "compiled_autograd": 0, "id": "!0"}),
+    (None, {"frame": None, "compile": None, "compiled_autograd": None, "id": "eager"}),
+])
+def test_compile_id_is_read_back_from_the_graph_name(compile_id, expected):
+    """The names the backend gives (report.new_graph_name, from Dynamo's own CompileId) parse back."""
+    from torch._guards import CompileContext, CompileId, compile_context
+
+    from qwen_npu_compile.report import new_graph_name
+    from qwen_npu_compile.run_report import Graph
+
+    if compile_id is None:
+        name = new_graph_name()
+    else:
+        with compile_context(CompileContext(CompileId(**compile_id))):
+            name = new_graph_name()
+    assert Graph(dump=".", rank=None, name=name, data={}, file="").compile_id == {"index": 0, **expected}
+    assert Graph(dump=".", rank=None, name="not-a-graph-name", data={}, file="").compile_id["id"] is None

@@ -277,7 +277,7 @@ def read_dumps(folders: Sequence[str | os.PathLike]) -> Dumps:
             key_root = root.resolve()
             if key_root not in root_label:
                 relative = os.path.relpath(root, path)
-                root_label[key_root] = shown if relative == "." else os.path.join(shown, relative)
+                root_label[key_root] = shown if relative == "." else os.path.normpath(os.path.join(shown, relative))
                 root_order.append(key_root)
             if file.name == SUMMARY_FILE:
                 summaries.setdefault(key_root, data)

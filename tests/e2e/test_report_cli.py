@@ -4,7 +4,8 @@ One module fixture writes the dumps once (a tiny Qwen2 compiled per layer by ``m
 ``QWEN_NPU_DUMP_DIR``, as verl's workers do): ``run/rank0`` (two sequence lengths: a recompile of the
 layer's frame) and ``run/rank1`` (a fresh "process": Dynamo and the report index reset, one length);
 ``patched`` (RMSNorm monkey-patched to npu_rms_norm, as verl's ``npu_patch`` does: already fused),
-``refused`` (an enabled family refuses: SwiGLU gate/up dtype mismatch), ``disabled`` (RMSNorm compiled
+``refused`` (an enabled family refuses: SwiGLU gate/up dtype mismatch), ``unfused`` / ``fell_back``
+(an RMSNorm whose emit stage / aot_eager hand-off fails: compiled unfused / run eagerly), ``disabled`` (RMSNorm compiled
 with only swiglu enabled: a refusal of a disabled family) and ``ge`` (a graph whose torchair conversion
 failed: the report objects of the GE check, :class:`~qwen_npu_compile.torchair_offline.GeResults`,
 written by :func:`qwen_npu_compile.dump.publish`, since the real off-NPU conversion costs a minute in a
@@ -24,7 +25,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-from qwen_npu_compile import cli, dump, maybe_compile
+from qwen_npu_compile import cli, dump, emit, handoff, maybe_compile
 from qwen_npu_compile.check.models import tiny_qwen2_config
 from qwen_npu_compile.config import ALL_FAMILIES, QwenNpuConfig
 from qwen_npu_compile.patterns import expected_fusions
@@ -93,6 +94,16 @@ def dumps(tmp_path_factory, npu_ops):
     _fresh_process()
     torch.compile(Qwen2RMSNorm(16), backend="qwen_npu",
                   options={"dump_dir": str(root / "disabled"), "fusions": "swiglu"})(torch.randn(2, 16))
+
+    def fault(*args, **kwargs):
+        raise RuntimeError("injected fault")
+
+    for folder, module, function in (("unfused", emit, "finalize"), ("fell_back", handoff, "aot_eager_hand_off")):
+        _fresh_process()
+        with pytest.MonkeyPatch.context() as patch:  # as tests/e2e/test_fault_injection.py injects them
+            patch.setattr(module, function, fault)
+            torch.compile(Qwen2RMSNorm(16), backend="qwen_npu", options={"dump_dir": str(root / folder)})(
+                torch.randn(2, 16))
 
     _fresh_process()
     report = GraphReport(name="g000_0_0", simulated=True, downstream="torchair", families=FAMILIES,
@@ -360,3 +371,24 @@ def test_compile_id_is_read_back_from_the_graph_name(compile_id, expected):
             name = new_graph_name()
     assert Graph(dump=".", rank=None, name=name, data={}, file="").compile_id == {"index": 0, **expected}
     assert Graph(dump=".", rank=None, name="not-a-graph-name", data={}, file="").compile_id["id"] is None
+
+
+def test_a_graph_compiled_unfused_exits_1_and_a_downstream_fallback_is_noted(dumps, capsys):
+    root, _ = dumps
+    status, out, _ = run_report(capsys, root / "unfused", "--json", "-")
+    assert status == 1
+    report = json.loads(out)
+    (graph,) = report["graphs"]
+    assert graph["fallback_stage"] == "emit" and "injected fault" in graph["fallback"]
+    assert graph["fusions"] == ZERO and report["totals"]["unfused_graphs"] == 1 and report["refusals"] == []
+    (why,) = report["why"]
+    assert why.startswith(f"{root / 'unfused'}/g000_0_0: compiled unfused (emit stage failed): ") and "injected fault" in why
+
+    status, out, _ = run_report(capsys, root / "fell_back", "--json", "-")
+    assert status == 0  # the graph fused; only what runs it changed
+    report = json.loads(out)
+    (graph,) = report["graphs"]
+    assert graph["fusions"] == {**ZERO, "rms_norm": 1} and graph["downstream"] == "eager"
+    assert graph["downstream_fallbacks"] == 1 and report["totals"]["downstream_fallbacks"] == 1
+    status, out, _ = run_report(capsys, root / "fell_back")
+    assert graph_row(out, str(root / "fell_back"), "g000_0_0")["downstream"] == "eager; 1 downstream fallback(s)"

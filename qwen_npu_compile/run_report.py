@@ -153,7 +153,8 @@ class Graph:
         ge = self.data.get("ge")
         if not isinstance(ge, dict):
             return []
-        return [failure for failure in ge.get("failures") or [] if isinstance(failure, dict)]
+        failures = ge.get("failures")
+        return [failure for failure in failures if isinstance(failure, dict)] if isinstance(failures, list) else []
 
 
 @dataclasses.dataclass
@@ -203,8 +204,21 @@ def _load(path: Path, warnings: list[str]) -> dict | None:
     return data
 
 
-def _is_graph(data: object) -> bool:
-    return isinstance(data, dict) and isinstance(data.get("name"), str) and isinstance(data.get("fusions", {}), dict)
+#: The fields of a graph's report this module reads, and their JSON types (None: absent or null is fine).
+_FIELDS = {"name": str, "families": list, "fusions": dict, "already_fused": dict, "anchors": dict, "refused": list,
+           "ge": dict, "downstream_fallbacks": list}
+
+
+def _graph_problem(data: object) -> str | None:
+    """Why ``data`` is not a graph report (:meth:`~qwen_npu_compile.report.GraphReport.as_dict`), or None."""
+    if not isinstance(data, dict):
+        return f"a JSON {type(data).__name__}, not an object"
+    if not isinstance(data.get("name"), str):
+        return "no 'name'"
+    for field, kind in _FIELDS.items():
+        if data.get(field) is not None and not isinstance(data[field], kind):
+            return f"'{field}' is a JSON {type(data[field]).__name__}, not {'an object' if kind is dict else 'a list'}"
+    return None
 
 
 def _progress(done: int, total: int, final: bool = False) -> None:
@@ -263,12 +277,17 @@ def read_dumps(folders: Sequence[str | os.PathLike]) -> Dumps:
                     warnings.append(f"{file}: not a qwen_npu summary.json (no 'graphs' list); skipped")
                     continue
                 root = file.parent
-                entries = [(g["name"], g) for g in graphs if _is_graph(g)]
-                if len(entries) != len(graphs):
-                    warnings.append(f"{file}: {len(graphs) - len(entries)} 'graphs' entr(y/ies) without a name; skipped")
+                entries = []
+                for number, graph in enumerate(graphs):
+                    problem = _graph_problem(graph)
+                    if problem is None:
+                        entries.append((graph["name"], graph))
+                    else:
+                        warnings.append(f"{file}: 'graphs'[{number}] is not a graph report ({problem}); skipped")
             else:
-                if not _is_graph(data):
-                    warnings.append(f"{file}: not a qwen_npu report.json (no 'name'); skipped")
+                problem = _graph_problem(data)
+                if problem is not None:
+                    warnings.append(f"{file}: not a qwen_npu report.json ({problem}); skipped")
                     continue
                 root = file.parent.parent
                 entries = [(data["name"], data)]
@@ -378,7 +397,7 @@ def build_report(dumps: Dumps) -> dict:
         missed = graph.missed()
         failures = graph.ge_failures()
         ge = graph.data.get("ge") if isinstance(graph.data.get("ge"), dict) else None
-        fallbacks = graph.data.get("downstream_fallbacks") or []
+        fallbacks = graph.data.get("downstream_fallbacks") or []  # a list (_graph_problem)
         where = f"{graph.dump}/{graph.name}"
         rows.append({
             "dump": graph.dump, "rank": graph.rank, "name": graph.name, "compile_id": cid["id"],
@@ -386,7 +405,8 @@ def build_report(dumps: Dumps) -> dict:
             "downstream": graph.data.get("downstream"), "families": graph.families,
             "fusions": _counts(graph.data.get("fusions")), "already_fused": _counts(graph.data.get("already_fused")),
             "anchors": _counts(graph.data.get("anchors")), "missed": missed, "refused": len(refusals),
-            "ge_failures": len(failures), "ge_graphs": len(ge.get("graphs") or []) if ge else 0,
+            "ge_failures": len(failures),
+            "ge_graphs": len(ge["graphs"]) if ge and isinstance(ge.get("graphs"), list) else 0,
             "fallback": graph.data.get("fallback"), "fallback_stage": graph.data.get("fallback_stage"),
             "downstream_fallbacks": len(fallbacks) if isinstance(fallbacks, list) else 0, "file": graph.file,
         })

@@ -302,18 +302,23 @@ def test_malformed_files_are_skipped_with_a_warning(dumps, capsys, tmp_path):
     summary.write_text(summary.read_text()[:100])  # a run killed mid-write
     report_json = run / "rank0" / "g001_0_1" / "report.json"
     report_json.write_text("{not json")
+    wrong_types = run / "rank0" / "g009_0_9" / "report.json"  # valid JSON, not a report
+    wrong_types.parent.mkdir()
+    wrong_types.write_text(json.dumps({"name": "g009_0_9", "families": "rms_norm", "refused": 3}))
     status, out, err = run_report(capsys, run, "--json", "-")
     assert status == 0 and "Traceback" not in err
     lines = err.splitlines()
-    assert len(lines) == 2
+    assert len(lines) == 3
     assert lines[0].startswith(f"qwen-npu-compile report: warning: {report_json}: not valid JSON (")
-    assert lines[1].startswith(f"qwen-npu-compile report: warning: {summary}: not valid JSON (")
+    assert lines[1] == (f"qwen-npu-compile report: warning: {wrong_types}: not a qwen_npu report.json ('families' is "
+                        "a JSON str, not a list); skipped")
+    assert lines[2].startswith(f"qwen-npu-compile report: warning: {summary}: not valid JSON (")
     report = json.loads(out)
     # each graph is still read from its other file: rank0's g001_0_1 from the summary, rank1's from report.json
     assert [(g["name"], Path(g["file"]).name) for g in report["graphs"]] == [
         ("g000_0_0", "report.json"), ("g001_0_1", "summary.json"), ("g000_0_0", "report.json")]
     assert report["totals"]["fusions"] == {family: 3 * count for family, count in PER_LAYER.items()}
-    assert report["files_read"] == 3 and len(report["warnings"]) == 2
+    assert report["files_read"] == 3 and len(report["warnings"]) == 3
     assert [d["summary"] for d in report["dumps"]] == [True, False]
 
 

@@ -6,7 +6,9 @@ from .common import MIB
 
 _LABELS = {
     "eager": "eager (no fusion)",
-    "verl": "verl-style patches",
+    "verl": "verl-style (npu_patch + NPU FA2)",
+    "qwen_npu_explicit_mask": "qwen_npu, explicit T×T mask",
+    "qwen_npu_varlen": "qwen_npu, varlen",
     "qwen_npu_no_attention": "qwen_npu, no attention",
     "qwen_npu": "qwen_npu",
 }
@@ -19,7 +21,9 @@ def _mib(num_bytes: float) -> str:
 def _fusions(entry: dict) -> str:
     if entry["families"]:
         return ", ".join(f"{f} {n}" for f, n in entry["fusions_per_layer"].items())
-    return "patched: rms_norm 2, swiglu 1, rotary 2" if entry.get("description", "").startswith("verl") else "-"
+    if entry.get("attention") == "npu_fa2":
+        return "patched: rms_norm 2, swiglu 1, rotary 2; attention: NPU FA2"
+    return "-"
 
 
 def _traffic(data: dict) -> list[str]:
@@ -27,12 +31,22 @@ def _traffic(data: dict) -> list[str]:
     lines = [
         "## 1. Kernels and HBM traffic per decoder layer (training: AOT forward + backward)",
         "",
-        f"Bandwidth for the time estimate: **{bw['bytes_per_second'] / 1e12:.1f} TB/s** ({bw['label']}; "
+        f"Bandwidth for the time estimates: **{bw['bytes_per_second'] / 1e12:.1f} TB/s** ({bw['label']}; "
         f"{bw['derivation']} Source: {bw['source_url']}).",
         "",
+    ]
+    peak = data.get("peak")
+    if peak:
+        lines += [
+            f"Roofline peaks: Cube **{peak['cube_bf16_flops_per_second'] / 1e12:.1f} TFLOPS** BF16 ({peak['label']}; "
+            f"{peak['derivation']} Source: {peak['source_url']}).",
+            "",
+        ]
+    lines += [
         "Per layer = graph(2 layers) − graph(1 layer). Bytes = non-matmul kernels' inputs + outputs (matmuls "
         "excluded; attention kernels included and also shown apart). ×LB = bytes / fused lower bound. "
-        "ms = bytes / bandwidth (traffic floor, no launch overhead, no attention FLOPs).",
+        "ms = bytes / bandwidth (traffic floor, no launch overhead, no FLOPs). Roofline = Σ over every kernel, "
+        "matmuls and attention included, of max(FLOPs / Cube peak, bytes / bandwidth).",
         "",
     ]
     for model, m in data["models"].items():
@@ -42,8 +56,8 @@ def _traffic(data: dict) -> list[str]:
             f"{shape['num_key_value_heads']} KV heads (D={shape['head_dim']}), intermediate "
             f"{shape['intermediate_size']}; B={shape['batch']}, S={shape['seq_len']}, {shape['dtype']}",
             "",
-            "| variant | fused per layer | kernels fw / bw | non-matmul MiB fw / bw | of which attention MiB | glue MiB | ×LB | est. ms/layer (fw+bw) |",
-            "|---|---|---|---|---|---|---|---|",
+            "| variant | fused per layer | kernels fw / bw | non-matmul MiB fw / bw | of which attention MiB | glue MiB | ×LB | est. ms/layer (fw+bw) | roofline ms/layer |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for name, entry in m["variants"].items():
             layer = entry["per_layer"]
@@ -52,27 +66,25 @@ def _traffic(data: dict) -> list[str]:
             glue = fw["bytes"]["glue"] + bw_["bytes"]["glue"]
             ratio = entry.get("ratio_to_lower_bound", {}).get("total")
             ms = entry.get("est_ms_per_layer", {}).get("total")
+            roof = entry.get("roofline_ms_per_layer", {}).get("total")
             lines.append(
                 f"| {_LABELS.get(name, name)} | {_fusions(entry)} | {fw['kernels']['total']} / {bw_['kernels']['total']} "
                 f"| {_mib(fw['bytes']['non_matmul'])} / {_mib(bw_['bytes']['non_matmul'])} | {_mib(attention)} "
-                f"| {_mib(glue)} | {ratio:.2f} | {ms:.3f} |"
-                if ratio is not None
-                else f"| {_LABELS.get(name, name)} | {_fusions(entry)} | {fw['kernels']['total']} / {bw_['kernels']['total']} "
-                f"| {_mib(fw['bytes']['non_matmul'])} / {_mib(bw_['bytes']['non_matmul'])} | {_mib(attention)} | {_mib(glue)} | - | - |"
+                f"| {_mib(glue)} | {_num(ratio, 2)} | {_num(ms, 3)} | {_num(roof, 3)} |"
             )
         lb = m.get("lower_bound")
         if lb:
             b = lb["bytes_per_layer"]
             lines.append(
                 f"| **fused lower bound** | - | - | {_mib(b['forward'])} / {_mib(b['backward'])} | - | 0 | 1.00 "
-                f"| {lb['est_ms_per_layer']['total']:.3f} |"
+                f"| {lb['est_ms_per_layer']['total']:.3f} | - |"
             )
             math = lb.get("math_backward")
             if math:
                 ours = m["variants"].get("qwen_npu", {}).get("ratio_to_math_backward_bound")
                 lines.append(
                     f"| *math backward bound* | - | - | - / {_mib(math['bytes'])} | - | - | - | "
-                    f"{(math['bytes'] / data['bandwidth']['bytes_per_second'] * 1e3):.3f} (bw only) |"
+                    f"{(math['bytes'] / data['bandwidth']['bytes_per_second'] * 1e3):.3f} (bw only) | - |"
                 )
                 lines += [
                     "",
@@ -99,7 +111,54 @@ def _traffic(data: dict) -> list[str]:
     lines += _findings(data)
     if data.get("inference"):
         lines += _inference(data)
+    if data.get("packed"):
+        lines += _packed(data)
     return lines
+
+
+def _num(value, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _packed(data: dict) -> list[str]:
+    """Section 1d: the packed rows (explicit mask vs varlen vs verl-style), from ``data["packed"]``."""
+    lines = [
+        "## 1d. Packed sequences (one row of T tokens, position_ids restarting per sequence, no attention_mask)",
+        "",
+        "verl's `use_remove_padding`. Per layer = graph(2 layers) − graph(1 layer); T×T = tensors whose last two "
+        "dims are T×T in the 1-layer forward / backward graphs (inputs and kernel outputs, attention included). "
+        "Attention TFLOP: Σ over the attention kernels (forward 2 matmuls, backward 5) of the score pairs "
+        "computed: per sequence len(len+1)/2 for a causal kernel (varlen, verl's TND), T² for the explicit mask. "
+        "Roofline ms = Σ per kernel max(FLOPs / Cube peak, bytes / bandwidth): total (matmul + attention + rest).",
+        "",
+        "| row | mode | variant | fused per layer | kernels fw / bw | non-matmul MiB fw / bw | of which attention MiB "
+        "| T×T tensors fw / bw | attention TFLOP | roofline ms/layer (matmul + attention + rest) | ÷ varlen: bytes / roofline |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row, packed in data["packed"].items():
+        for mode in ("training", "inference"):
+            m = packed.get(mode)
+            if m is None:
+                continue
+            ratios = packed["ratios"][mode]
+            for name, entry in m["variants"].items():
+                layer = entry["per_layer"]
+                kinds = [k for k in ("forward", "backward") if k in layer]
+                kernels = " / ".join(str(layer[k]["kernels"]["total"]) for k in kinds)
+                moved = " / ".join(_mib(layer[k]["bytes"]["non_matmul"]) for k in kinds)
+                attention = sum(layer[k]["bytes"]["attention"] for k in kinds)
+                square = " / ".join(str(entry["square_tensors"][k]["tensors"]) for k in kinds)
+                roof = entry["roofline_ms_per_layer"]
+                by = roof["by_category"]
+                ratio = ratios.get(name)
+                lines.append(
+                    f"| {row} | {mode} | {_LABELS.get(name, name)} | {_fusions(entry)} | {kernels} | {moved} "
+                    f"| {_mib(attention)} | {square} | {entry['attention_flops_per_layer'] / 1e12:.3f} "
+                    f"| {roof['total']:.2f} ({by['matmul']:.2f} + {by['attention']:.2f} + "
+                    f"{by['fused'] + by['vector']:.2f}) | "
+                    + (f"{ratio['bytes']:.2f} / {ratio['roofline']:.2f} |" if ratio else "1 / 1 |")
+                )
+    return lines + [""]
 
 
 def _square_line(m: dict) -> str:
@@ -220,7 +279,7 @@ def _findings(data: dict) -> list[str]:
             parts.append(
                 f"qwen_npu glue per layer: {listed} = {_mib(total)} MiB, "
                 f"{total / ours['bytes_per_layer']['total'] * 100:.0f}% of its non-matmul bytes, "
-                f"{total / bw * 1e3:.3f} ms/layer at the assumed bandwidth."
+                f"{total / bw * 1e3:.3f} ms/layer at the A2's bandwidth."
             )
         lines += [" ".join(parts), ""]
     return lines

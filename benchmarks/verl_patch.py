@@ -67,3 +67,120 @@ def verl_patches() -> Iterator[None]:
             modeling_qwen2.Qwen2MLP.forward,
             modeling_qwen2.apply_rotary_pos_emb,
         ) = saved
+
+
+# ----------------------------------------------------------------------------------------------------
+# attention: what verl's FSDP engine runs on Ascend (transformers' flash_attention_2 on NPU)
+
+#: transformers' NPU flash attention, which verl's default ``attn_implementation="flash_attention_2"``
+#: resolves to on an Ascend host (``../shared/reference/verl-default-path.md`` §1.1, §2.1).
+FA2_SOURCES = (
+    "https://github.com/huggingface/transformers/blob/main/src/transformers/integrations/npu_flash_attention.py",
+    "https://github.com/huggingface/transformers/blob/main/src/transformers/modeling_flash_attention_utils.py",
+)
+
+
+class HostOffsets:
+    """Cumulative sequence offsets as the host holds them: what ``cu_seqlens[1:].cpu().numpy().tolist()`` reads.
+
+    transformers derives ``cu_seqlens`` from ``position_ids`` on the device (``nonzero``) and
+    ``npu_flash_attn_varlen_func`` copies them to the host as a Python list: data-dependent, so neither
+    Dynamo (``fullgraph``) nor fake tensors can trace it. The benchmark knows the packing, so it hands
+    transformers an object with the same four operations (``[1:]``, ``.cpu()``, ``.numpy()``,
+    ``.tolist()``), which Dynamo inlines to constants: the kernel gets ``actual_seq_qlen`` as constant ints,
+    as in verl's captured graph (``verl-default-path.md`` §3).
+
+    Args:
+        offsets: ``[0, end_1, ..., end_B]`` (ints, strictly increasing, ``end_B == T``).
+    """
+
+    def __init__(self, offsets):
+        self.offsets = [int(o) for o in offsets]
+
+    def __getitem__(self, index):
+        return HostOffsets(self.offsets[index])
+
+    def cpu(self):
+        return self
+
+    def numpy(self):
+        return self
+
+    def tolist(self):
+        return list(self.offsets)
+
+    def __repr__(self):
+        return f"HostOffsets({self.offsets})"
+
+
+def packing_offsets(lengths) -> list[int]:
+    """``[0, l_1, l_1 + l_2, ..., T]`` for sequence lengths ``lengths`` (transformers' ``cu_seqlens``)."""
+    out = [0]
+    for length in lengths:
+        out.append(out[-1] + int(length))
+    return out
+
+
+@contextlib.contextmanager
+def npu_flash_attention_2(model: torch.nn.Module, lengths) -> Iterator[None]:
+    """Run ``model``'s attention as verl does on Ascend: transformers' ``flash_attention_2`` on NPU.
+
+    What verl's FSDP engine runs (``verl-default-path.md`` §1–2): ``attn_implementation="flash_attention_2"``,
+    which on an NPU host resolves (``modeling_flash_attention_utils._lazy_imports``) to
+    ``integrations.npu_flash_attention.npu_flash_attn_func`` (one sequence: ``npu_fusion_attention`` in
+    BSND with the 2048² compressed mask, ``sparse_mode=3``) and ``npu_flash_attn_varlen_func`` (packed:
+    TND with ``actual_seq_qlen/kvlen`` = the cumulative ends). transformers' own functions run unchanged
+    (``flash_attention_forward`` → ``_flash_attention_forward`` → ``_prepare_from_posids``, whose
+    ``.contiguous()`` copies of q/k/v are counted). Inside the block:
+
+    * transformers takes its NPU path with our ``npu`` ops
+      (:func:`qwen_npu_compile.integrations.npu_host.simulated_npu_host`), and the NPU functions are loaded
+      before compiling (transformers requires that for ``fullgraph``);
+    * the compressed mask is in transformers' per-device cache (verl builds it once per process), so it
+      is an input of the graph, not built in it;
+    * the two data-dependent steps, ``_is_packed_sequence`` (a device tensor used as a Python bool) and
+      ``prepare_fa_kwargs_from_position_ids`` (``nonzero`` and ``max().item()``), which a ``fullgraph``
+      capture under fake tensors cannot trace, return the answers for the known packing ``lengths``
+      (:class:`HostOffsets`, ints). Their small kernels on ``[1, T]`` integers, which verl runs in every
+      layer, are therefore not counted (about ten per layer, a few MiB at T=16k): this favours verl;
+    * ``model.config._attn_implementation`` is ``"flash_attention_2"``.
+
+    Everything is restored on exit.
+
+    Args:
+        model: a transformers model whose attention layers read ``config._attn_implementation``.
+        lengths: the packed sequence lengths, summing to the sequence length (``(T,)`` for one sequence).
+    """
+    from unittest import mock
+
+    from transformers import modeling_flash_attention_utils as fa_utils
+    from transformers.integrations import npu_flash_attention
+
+    from qwen_npu_compile.integrations.npu_host import simulated_npu_host
+
+    lengths = [int(n) for n in lengths]
+    offsets = packing_offsets(lengths)
+    packed = len(lengths) > 1
+    saved_impl = model.config._attn_implementation
+    device = next(model.parameters()).device
+    mask = torch.triu(torch.ones(2048, 2048, device="cpu"), diagonal=1).bool()  # real: 4 MiB, outside any fake mode
+
+    def is_packed_sequence(position_ids, batch_size):
+        return packed and position_ids is not None and batch_size == 1
+
+    def prepare_fa_kwargs_from_position_ids(position_ids):
+        cu = HostOffsets(offsets)
+        return (cu, cu), (max(lengths), max(lengths))
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(simulated_npu_host())
+        stack.enter_context(mock.patch.dict(npu_flash_attention.ATTN_MASK_NPU_CACHE, {device: mask}))
+        stack.enter_context(mock.patch.object(fa_utils, "_is_packed_sequence", is_packed_sequence))
+        stack.enter_context(mock.patch.object(fa_utils, "prepare_fa_kwargs_from_position_ids",
+                                              prepare_fa_kwargs_from_position_ids))
+        try:
+            fa_utils.lazy_import_flash_attention("flash_attention_2")
+            model.config._attn_implementation = "flash_attention_2"
+            yield
+        finally:
+            model.config._attn_implementation = saved_impl

@@ -69,8 +69,11 @@ def test_files_and_metadata(results):
 
 def test_kernel_traffic_counts(results):
     data = _load(results, "kernel_traffic.json")
-    assert {"bandwidth", "definitions", "models"} <= set(data)
-    assert data["bandwidth"]["source_url"].startswith("https://")
+    assert {"bandwidth", "peak", "definitions", "models", "packed"} <= set(data)
+    # the Atlas A2 figures are sourced (CANN developer guide), not assumed
+    assert data["bandwidth"]["bytes_per_second"] == 1.6e12 and "ASSUMPTION" not in data["bandwidth"]["label"]
+    assert data["peak"]["cube_bf16_flops_per_second"] == 353.9e12
+    assert data["bandwidth"]["source_url"].startswith("https://") and data["peak"]["source_url"].startswith("https://")
     (model,) = data["models"].values()
     variants = model["variants"]
     assert set(variants) == {"eager", "verl", "qwen_npu"}
@@ -106,11 +109,30 @@ def test_kernel_traffic_counts(results):
     assert _kernels(fw, "aten.cat.default") == 0 and fw["bytes"]["glue"] == 0
     assert fused["swiglu_forward_bytes_per_layer"]["input_glue"] == 0
 
-    verl_fw = variants["verl"]["per_layer"]["forward"]
+    # verl-style = npu_patch + transformers' NPU flash attention (one sequence: npu_fusion_attention, BSND)
+    verl_fw, verl_bw = variants["verl"]["per_layer"]["forward"], variants["verl"]["per_layer"]["backward"]
     assert _kernels(verl_fw, "npu.npu_rms_norm.default") == 2
     assert _kernels(verl_fw, "npu.npu_swiglu.default") == 1
     assert _kernels(verl_fw, "npu.npu_rotary_mul.default") == 2
-    assert verl_fw["kernels"]["attention"] == 1 and _kernels(verl_fw, "npu.npu_fusion_attention.default") == 0
+    assert verl_fw["kernels"]["attention"] == 1 and _kernels(verl_fw, "npu.npu_fusion_attention.default") == 1
+    assert verl_bw["kernels"]["attention"] == 1 and _kernels(verl_bw, "npu.npu_fusion_attention_grad.default") == 1
+    assert not any("scaled_dot_product" in op for layer in (verl_fw, verl_bw) for op in layer["by_op"])
+    # both fused kernels read and write the same tensors: attention bytes agree with qwen_npu's exactly
+    assert verl_fw["bytes"]["attention"] == fw["bytes"]["attention"]
+    assert verl_bw["bytes"]["attention"] == bw["bytes"]["attention"]
+
+    # roofline: matmul FLOPs are 2·M·N·K of the layer's projections, identical in every variant
+    shape = model["shape"]
+    h, i, d = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
+    nq, nkv, t = shape["num_attention_heads"], shape["num_key_value_heads"], shape["seq_len"]
+    per_token = h * (nq + 2 * nkv) * d + nq * d * h + 3 * h * i  # q/k/v, o, gate/up/down weights
+    for entry in variants.values():
+        assert entry["matmul_flops_per_layer"] == 3 * 2 * t * per_token  # forward 2·T·P, backward twice that
+        assert entry["roofline_ms_per_layer"]["total"] > entry["est_ms_per_layer"]["total"] > 0
+    # the one-sequence attention is causal: T(T+1)/2 pairs, forward 2·pairs·Nq·2D, backward 2·pairs·Nq·5D
+    pairs = t * (t + 1) // 2
+    assert variants["qwen_npu"]["attention_flops_per_layer"] == 2 * pairs * nq * 2 * d + 2 * pairs * nq * 5 * d
+    assert variants["verl"]["attention_flops_per_layer"] == variants["qwen_npu"]["attention_flops_per_layer"]
 
     moved = {name: entry["bytes_per_layer"]["total"] for name, entry in variants.items()}
     assert moved["eager"] > moved["verl"] > 0
@@ -170,3 +192,58 @@ def test_inference_rows_and_verl_step(results):
     # at the smoke test's S=64 the per-forward work is not comparable: the provably causal mask becomes the
     # kernel's 2048x2048 compressed mask (built once per forward, 12 MiB moved) instead of a 64x64 mask
 
+
+
+def test_packed_rows(results):
+    """Issue 18: a packed row (T=40 as 8 + 16 + 16): explicit T×T mask vs varlen vs verl-style (TND)."""
+    data = _load(results, "kernel_traffic.json")
+    (packed,) = data["packed"].values()
+    assert set(packed) == {"training", "ratios"}  # the quick run measures training only
+    model = packed["training"]
+    assert model["shape"]["packing"] == [8, 16, 16] and model["shape"]["seq_len"] == 40
+    variants = model["variants"]
+    assert set(variants) == {"qwen_npu_explicit_mask", "qwen_npu_varlen", "verl"}
+    explicit, varlen, verl = (variants[n] for n in ("qwen_npu_explicit_mask", "qwen_npu_varlen", "verl"))
+    families = {"rms_norm": 2, "swiglu": 1, "rotary": 2, "attention": 1}
+    assert explicit["fusions_per_layer"] == families and varlen["fusions_per_layer"] == families
+
+    # no T×T tensor anywhere in the varlen and verl graphs; the explicit mask is built in the forward and
+    # saved for the backward
+    for entry in (varlen, verl):
+        assert all(sq["tensors"] == 0 and sq["kernels_reading"] == 0 for sq in entry["square_tensors"].values())
+    assert explicit["square_tensors"]["forward"]["written"] > 0
+    assert explicit["square_tensors"]["backward"]["inputs"] > 0
+
+    ex_fw, ex_bw = explicit["per_layer"]["forward"], explicit["per_layer"]["backward"]
+    vl_fw, vl_bw = varlen["per_layer"]["forward"], varlen["per_layer"]["backward"]
+    ve_fw, ve_bw = verl["per_layer"]["forward"], verl["per_layer"]["backward"]
+    assert _kernels(ex_fw, "npu.npu_fusion_attention.default") == 1
+    assert _kernels(ex_bw, "npu.npu_fusion_attention_grad.default") == 1
+    assert _kernels(vl_fw, "qwen_npu.varlen_attention.default") == 1
+    assert _kernels(vl_bw, "qwen_npu.varlen_attention_backward.default") == 1
+    assert vl_fw["kernels"]["attention"] == 1 and _kernels(vl_fw, "npu.npu_fusion_attention.default") == 0
+    assert _kernels(ve_fw, "npu.npu_fusion_attention.default") == 1  # transformers' TND call
+    assert _kernels(ve_bw, "npu.npu_fusion_attention_grad.default") == 1
+
+    # attention FLOPs: Σ len(len+1)/2 pairs per sequence (causal) vs T² (explicit mask: no block skipped)
+    shape = model["shape"]
+    nq, d = shape["num_attention_heads"], shape["head_dim"]
+    causal = sum(n * (n + 1) // 2 for n in (8, 16, 16))
+    full = 40 * 40
+
+    def flops(pairs):
+        return 2 * pairs * nq * 2 * d + 2 * pairs * nq * 5 * d  # forward QKᵀ + PV, backward 5 matmuls
+
+    assert varlen["attention_flops_per_layer"] == flops(causal)
+    assert verl["attention_flops_per_layer"] == flops(causal)
+    assert explicit["attention_flops_per_layer"] == flops(full)
+    assert packed["ratios"]["training"]["qwen_npu_explicit_mask"]["attention_flops"] == full / causal
+
+    # varlen's kernel reads what verl's TND kernel reads (q, k, v, min(2048², T²) bytes of the compressed
+    # mask), plus its int64 offsets (3 sequences)
+    assert vl_fw["bytes"]["attention"] == ve_fw["bytes"]["attention"] + 8 * 3
+    assert vl_bw["bytes"]["attention"] == ve_bw["bytes"]["attention"] + 8 * 3
+    for entry in variants.values():  # at these tiny shapes every kernel is memory-bound: no ordering asserted
+        assert entry["roofline_ms_per_layer"]["total"] > 0
+    summary = results["summary.md"].read_text()
+    assert "## 1d. Packed sequences" in summary

@@ -125,6 +125,13 @@ def run_report(capsys, *args) -> tuple[int, str, str]:
     return status, captured.out, captured.err
 
 
+def json_report(capsys, *dirs, status: int) -> dict:
+    """``report DIRS --json -``: the JSON object printed (alone) on stdout; the exit status must be ``status``."""
+    got, out, err = run_report(capsys, *dirs, "--json", "-")
+    assert got == status, err
+    return json.loads(out)
+
+
 def table_row(out: str, *first_cells: str) -> list[str]:
     """The cells of the printed table row starting with ``first_cells`` (cells are separated by 2+ blanks)."""
     rows = [cells for line in out.splitlines() if line.strip()
@@ -197,19 +204,15 @@ def test_two_ranks_table_and_json(dumps, capsys, tmp_path):
          "compiles": 1, "recompiles": 0}]
 
     # --json -: the same object, alone on stdout
-    status, out, _ = run_report(capsys, run, "--json", "-")
-    assert status == 0 and json.loads(out) == report
+    assert json_report(capsys, run, status=0) == report
     # a rank folder named twice (directly and through its parent) is read once
-    status, out, _ = run_report(capsys, run, run / "rank0", "--json", "-")
-    assert status == 0 and json.loads(out)["totals"]["graphs"] == 3
+    assert json_report(capsys, run, run / "rank0", status=0)["totals"]["graphs"] == 3
 
 
 def test_enabled_family_refusal_exits_1(dumps, capsys):
     root, _ = dumps
     refused = root / "refused"
-    status, out, err = run_report(capsys, refused, "--json", "-")
-    assert status == 1, err
-    report = json.loads(out)
+    report = json_report(capsys, refused, status=1)
     (graph,) = report["graphs"]
     assert graph["fusions"] == ZERO
     assert graph["missed"] == {"swiglu": 1} and graph["refused"] == 1
@@ -236,9 +239,7 @@ def test_enabled_family_refusal_exits_1(dumps, capsys):
 
 def test_disabled_family_refusal_is_listed_and_exits_0(dumps, capsys):
     root, _ = dumps
-    status, out, _ = run_report(capsys, root / "disabled", "--json", "-")
-    assert status == 0
-    report = json.loads(out)
+    report = json_report(capsys, root / "disabled", status=0)
     (graph,) = report["graphs"]
     assert graph["families"] == ["swiglu"] and graph["fusions"] == {"swiglu": 0} and graph["missed"] == {}
     (group,) = report["refusals"]
@@ -257,9 +258,7 @@ def test_disabled_family_refusal_is_listed_and_exits_0(dumps, capsys):
 
 def test_ge_conversion_failures_are_grouped_by_source_line(dumps, capsys):
     root, _ = dumps
-    status, out, _ = run_report(capsys, root / "ge", "--json", "-")
-    assert status == 0  # GE failures are reported, not part of the fusion status
-    report = json.loads(out)
+    report = json_report(capsys, root / "ge", status=0)  # GE failures are reported, not part of the fusion status
     (graph,) = report["graphs"]
     assert (graph["ge_failures"], graph["ge_graphs"], graph["downstream"]) == (2, 1, "torchair")
     assert report["ge_failures"] == [{"source": "npu_flash_attention.py:214", "count": 2, "failures": [
@@ -338,9 +337,7 @@ def test_monkey_patched_ops_count_as_already_fused(dumps, capsys):
     root, layers = dumps
     assert layers["patched"] == {"model.layers.0": ["g000_0_0"], "model.layers.1": ["g000_0_0"]}
     patched = str(root / "patched")
-    status, out, _ = run_report(capsys, root / "patched", "--json", "-")
-    assert status == 0  # an anchor already fused is not one that could fuse
-    report = json.loads(out)
+    report = json_report(capsys, root / "patched", status=0)  # an anchor already fused is not one that could fuse
     (graph,) = report["graphs"]
     assert graph["fusions"] == {**PER_LAYER, "rms_norm": 0}
     assert graph["already_fused"] == {**ZERO, "rms_norm": 2}
@@ -380,18 +377,14 @@ def test_compile_id_is_read_back_from_the_graph_name(compile_id, expected):
 
 def test_a_graph_compiled_unfused_exits_1_and_a_downstream_fallback_is_noted(dumps, capsys):
     root, _ = dumps
-    status, out, _ = run_report(capsys, root / "unfused", "--json", "-")
-    assert status == 1
-    report = json.loads(out)
+    report = json_report(capsys, root / "unfused", status=1)
     (graph,) = report["graphs"]
     assert graph["fallback_stage"] == "emit" and "injected fault" in graph["fallback"]
     assert graph["fusions"] == ZERO and report["totals"]["unfused_graphs"] == 1 and report["refusals"] == []
     (why,) = report["why"]
     assert why.startswith(f"{root / 'unfused'}/g000_0_0: compiled unfused (emit stage failed): ") and "injected fault" in why
 
-    status, out, _ = run_report(capsys, root / "fell_back", "--json", "-")
-    assert status == 0  # the graph fused; only what runs it changed
-    report = json.loads(out)
+    report = json_report(capsys, root / "fell_back", status=0)  # the graph fused; only what runs it changed
     (graph,) = report["graphs"]
     assert graph["fusions"] == {**ZERO, "rms_norm": 1} and graph["downstream"] == "eager"
     assert graph["downstream_fallbacks"] == 1 and report["totals"]["downstream_fallbacks"] == 1

@@ -71,7 +71,7 @@ log = logging.getLogger(__name__)
 
 #: ``model_type`` values whose attention adds two RMSNorms per layer: q_norm and k_norm over head_dim
 #: (transformers ``models/qwen3/modeling_qwen3.py`` ``Qwen3Attention``).
-QK_NORM_MODEL_TYPES = frozenset({"qwen3"})
+QK_NORM_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe"})
 
 
 def _search(x, weight, eps):

@@ -89,6 +89,7 @@ class FusionFamily:
             already holds them (a monkey-patched model), they are counted as "already fused".
         backward_op_name: the ``torch.ops.npu`` op that reaches the AOT backward graph once per fusion
             when training (``npu_rms_norm_backward``).
+        backward_per_fusion: how many times it does per fusion (moe: 2, dx and dW, both ``npu_grouped_matmul``).
         per_layer: fusions in one decoder layer of a Qwen2 model (see :meth:`expected_per_layer`).
         outside_layers: fusions of a whole model outside its decoder layers (the final norm: 1).
         pass_class: the :class:`FamilyPass` subclass that runs the family (None: ``FamilyPass``).
@@ -98,6 +99,7 @@ class FusionFamily:
     anchor_ops: tuple = ()
     fused_op_names: tuple[str, ...] = ()
     backward_op_name: str = ""
+    backward_per_fusion: int = 1
     per_layer: int = 0
     outside_layers: int = 0
     pass_class: type[FamilyPass] | None = None

@@ -42,6 +42,8 @@ import logging
 
 import torch
 
+from .ge_converters_moe import CONVERTERS as MOE_CONVERTERS
+
 log = logging.getLogger(__name__)
 
 #: ATen ops that only a CPU trace produces and that have no torchair converter (see the module docstring).
@@ -188,4 +190,5 @@ _CONVERTERS = {
     "aten.silu_backward": _register_silu_backward,
     "qwen_npu.rotary_mul_orthogonal": _register_rotary_mul_orthogonal,
     "qwen_npu.gate_up_proj": _register_gate_up_proj,
+    **MOE_CONVERTERS,
 }

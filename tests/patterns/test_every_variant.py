@@ -76,7 +76,11 @@ MODELS = {
     # Phi3MLP: gate, up = gate_up_proj(x).chunk(2, -1); up * silu(gate), the commuted product ; its
     # apply_rotary_pos_emb rotates q[..., :rotary_dim] and cats the rest back: no rotary variant for that
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+    # MoE experts (grouped_mm, transformers >= 5): aten._grouped_mm in bf16, grouped_mm_fallback in fp32
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
 }
+MOE = dict(TINY, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
 
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -113,6 +117,17 @@ CASES: dict[str, tuple[Case, dict[str, int]]] = {
     "phi3": (
         Case(dict(TINY, pad_token_id=0, eos_token_id=1, bos_token_id=1), "sdpa", FP32, False, model="phi3"),
         {"rms_norm_fp32": 3, "swiglu_silu_right": 1, "sdpa_mask_repeat_kv": 1},
+    ),
+    # Qwen3-MoE's bf16 experts (aten._grouped_mm): gate_up + activation, down; q_norm/k_norm
+    "qwen3_moe_bf16_train": (
+        Case(MOE, "sdpa", BF16, True, model="qwen3_moe"),
+        {"rms_norm_half": 5, "moe_grouped_mm_swiglu": 1, "moe_grouped_mm": 1, "rotary_bsnd": 2, "sdpa_mask_repeat_kv": 1},
+    ),
+    # Qwen2-MoE's fp32 experts (transformers::grouped_mm_fallback) and its shared expert (plain linears)
+    "qwen2_moe_fp32": (
+        Case(dict(MOE, shared_expert_intermediate_size=64), "sdpa", FP32, False, model="qwen2_moe"),
+        {"rms_norm_fp32": 3, "moe_fallback_swiglu": 1, "moe_fallback": 1, "swiglu_linear_silu_left": 1,
+         "rotary_bsnd": 2, "sdpa_mask_repeat_kv": 1},
     ),
     # eager_attention_forward (repeat_kv, additive mask) in training
     "eager_bf16_train": (

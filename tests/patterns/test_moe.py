@@ -1,15 +1,25 @@
-"""MoE (issue 20): tiny Qwen3-MoE and Qwen2-MoE of transformers' real modeling code, whole model.
+"""MoE (issue 20): tiny Qwen3-MoE and Qwen2-MoE of transformers' real modeling code, whole model, training.
 
-The router's ``softmax -> topk`` is not attention (no near miss, so ``strict`` passes).
+The experts' grouped matmuls become ``qwen_npu::grouped_matmul`` (``npu_grouped_matmul`` forward and
+backward) with ``npu_swiglu`` on the gate/up output; the router's ``softmax -> topk`` is not attention (no
+near miss, so ``strict`` passes); parity with eager, forward and backward.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
 from conftest import assert_parity
+from qwen_npu_compile.npu_ops import grouped_matmul as gmm
+from qwen_npu_compile.patterns import expected_fusions
 
 LAYERS = 2
 _TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
@@ -34,11 +44,75 @@ def _ids():
     return torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
-def test_router_softmax_is_no_attention_near_miss_strict_passes(family):
-    model = tiny_moe(family, torch.bfloat16)
-    reports = assert_parity(model, _ids(), True, torch.bfloat16, options={"strict": True})
-    assert [r.reason for report in reports for r in report.refused] == []
-    assert sum(report.fusions["attention"] for report in reports) == LAYERS
-    # the two router softmaxes are not counted as attention anchors either
-    assert sum(report.anchors["attention"] for report in reports) == LAYERS
+#: (family, dtype): Qwen3-MoE in bf16 (aten._grouped_mm) and Qwen2-MoE in fp32 (transformers::grouped_mm_fallback,
+#: its shared expert and sigmoid gate); one whole-model training compile each (the host budget).
+CASES = [("qwen3_moe", torch.bfloat16), ("qwen2_moe", torch.float32)]
+
+
+@pytest.mark.parametrize(("family", "dtype"), CASES)
+def test_experts_fuse_into_grouped_matmul_with_parity_and_strict(family, dtype, tmp_path, rewritten):
+    model = tiny_moe(family, dtype)
+    reports = assert_parity(model, _ids(), True, dtype, options={"strict": True, "dump_dir": str(tmp_path)})
+    assert len(reports) == 1
+    (report,) = reports
+    # no refusal, and the router softmaxes are neither attention near misses nor attention anchors
+    assert [r.reason for r in report.refused] == []
+    assert report.anchors["attention"] == LAYERS
+    expected = expected_fusions(model.config)
+    assert expected["moe"] == 2 * LAYERS
+    assert expected["swiglu"] == (LAYERS if family == "qwen2_moe" else 0)  # Qwen2-MoE's shared expert
+    assert report.fusions == expected
+    fused = "moe_grouped_mm" if dtype == torch.bfloat16 else "moe_fallback"
+    assert {v: n for v, n in report.variants.items() if v.startswith("moe")} == {fused: LAYERS, f"{fused}_swiglu": LAYERS}
+    # npu_swiglu reads the gate_up grouped matmul directly: no cat
+    (graph,) = rewritten
+    swiglus = [n for n in graph.graph.nodes if n.target is torch.ops.npu.npu_swiglu.default
+               and n.args[0].target is gmm.OP]
+    assert len(swiglus) == LAYERS
+    # the AOT graphs: grouped matmuls only (forward: ours; backward: dx and dW per fused matmul)
+    forward, backward = ("\n".join(line for line in (tmp_path / report.name / f"aot_{kind}.py").read_text().splitlines()
+                                   if not line.lstrip().startswith("#"))  # code, not its source comments
+                         for kind in ("forward", "backward"))
+    for text in (forward, backward):
+        assert "torch.ops.aten._grouped_mm" not in text and "torch.ops.transformers.grouped_mm_fallback" not in text
+    assert forward.count("torch.ops.qwen_npu.grouped_matmul.default(") == 2 * LAYERS
+    assert report.aot_ops["backward"]["npu_grouped_matmul"] == 2 * 2 * LAYERS
+    assert "aten.cat.default([getitem" not in forward
+
+
+GE_SCRIPT = """
+import json, sys
+import torch
+sys.path[:0] = sys.argv[2:]
+from qwen_npu_compile import ensure_npu_ops, get_reports
+ensure_npu_ops()
+from test_moe import tiny_moe, _ids
+model = tiny_moe("qwen3_moe", torch.bfloat16)
+compiled = torch.compile(model, backend="qwen_npu", options={"downstream": "torchair", "dump_dir": sys.argv[1]})
+compiled(input_ids=_ids(), labels=_ids()).loss.backward()
+print(json.dumps([dict(report.as_dict()["ge"], fusions=report.fusions) for report in get_reports()]))
+"""
+
+
+def test_training_graphs_convert_for_ge_off_npu(simulated_npu_ops, tmp_path):
+    """Forward and backward GE graphs of a tiny Qwen3-MoE bf16 training step, off-NPU (torchair from the
+    torch_npu wheel; skipped without it): 0 failures; GroupedMatmul per fused grouped matmul (backward: dx
+    and dW), the routing as SearchSorted / ScatterElements / GatherV2 (no histc, no index_put)."""
+    from qwen_npu_compile.torchair_offline import wheel
+
+    try:
+        wheel.obtain_sources(torch.__version__)
+    except wheel.TorchairUnavailableError as exc:
+        pytest.skip(f"no torch_npu wheel: {exc}")
+    tests = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", GE_SCRIPT, str(tmp_path), str(tests / "patterns"), str(tests)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests.parent), os.environ.get("PYTHONPATH", "")])))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (ge,) = json.loads(done.stdout.strip().splitlines()[-1])
+    assert ge["fusions"]["moe"] == 2 * LAYERS
+    assert ge["failures"] == []
+    forward, backward = ({g["kind"]: g["ops"] for g in ge["graphs"]}[kind] for kind in ("forward", "backward"))
+    assert forward["GroupedMatmul"] == 2 * LAYERS and backward["GroupedMatmul"] == 2 * 2 * LAYERS
+    assert forward["SwiGlu"] == LAYERS and backward["SwiGluGrad"] == LAYERS
+    assert (forward["SearchSorted"], forward["ScatterElements"]) == (LAYERS, LAYERS)

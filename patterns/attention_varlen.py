@@ -130,20 +130,21 @@ class _Row:
 
 @dataclasses.dataclass(frozen=True)
 class _Grid:
-    """An integer tensor of rank ``rank`` whose value is its own index along ``dim`` (``arange(length)``
-    placed on that dim; every other dim has size 1)."""
+    """An integer tensor whose value is its own index along dim ``end`` (counted from the last dim: -1, -2,
+    ...; ``arange(length)`` placed on that dim, every other dim of size 1). Broadcasting aligns trailing
+    dims, so the final ``[..., T, T]`` mask's query index is ``end == -2`` and its key index ``end == -1``,
+    whatever the ranks on the way (transformers 5.x broadcasts 4-D grids, 4.57's desugared vmap 1-3-D)."""
 
-    dim: int
-    rank: int
+    end: int
     length: object  # int or SymInt
 
 
 @dataclasses.dataclass(frozen=True)
 class _At:
-    """``row[0, i]`` where i is the query index (``axis=2``) or the key index (``axis=3``) of a 4-D grid."""
+    """``row[0, i]`` where i is the index along dim ``end`` (from the last): -2 the query, -1 the key."""
 
     row: _Row
-    axis: int
+    end: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +158,7 @@ class _Mask:
 
 _CAUSAL, _SAME = "causal", "same_sequence"
 _PACKED_TERMS = frozenset({_CAUSAL, _SAME})
-_QUERY_AXIS, _KEY_AXIS = 2, 3
+_QUERY, _KEY = -2, -1
 #: Ops that copy or re-view a mask without changing any value at a (q, kv) position (the final shape is
 #: checked separately).
 _MASK_KEEPING = (
@@ -216,8 +217,9 @@ class _Interpreter:
             return self._segments(node)
         if target in _ARANGES:
             return self._arange(node)
-        if target is aten.add.Tensor and not isinstance(args[1], torch.fx.Node) and args[1] == 0:
-            source = self(args[0])  # q_arange + q_offset with q_offset 0 (no KV cache)
+        if target in (aten.add.Tensor, aten.add_.Tensor) and not isinstance(args[1], torch.fx.Node) and args[1] == 0:
+            # q_arange + q_offset with q_offset 0 (no KV cache); 4.57: kv_arange += kv_offset, in place
+            source = self(args[0])
             if isinstance(source, _Grid) and node.kwargs.get("alpha", 1) == 1:
                 return source
             return self._refuse(node, "an addition that is not `arange + 0`")
@@ -288,39 +290,48 @@ class _Interpreter:
     def _arange(self, node: torch.fx.Node):
         args = node.args
         if node.target is aten.arange.default:
-            start, end, step = 0, args[0], 1
+            start, step = 0, 1
         elif node.target is aten.arange.start:
-            start, end, step = args[0], args[1], 1
+            start, step = args[0], 1
         else:
-            start, end, step = args[0], args[1], args[2]
+            start, step = args[0], args[2]
         value = meta_val(node)
         if start != 0 or step != 1 or value.is_floating_point():
             return self._refuse(node, "an arange that does not count 0, 1, ... in integers")
-        grid = _Grid(0, 1, end)
+        grid = _Grid(-1, value.shape[0])  # the size (a SymInt under dynamic shapes), not the argument node
         self.grids.append(grid)
         return grid
 
+    def _moved(self, node: torch.fx.Node, source):
+        """A grid or gather after a view that only adds or removes size-1 dims: on the one dim that is not 1."""
+        shape = list(meta_val(node).shape)
+        length = source.length if isinstance(source, _Grid) else meta_val(source.row.positions).shape[1]
+        if _equal(length, 1):
+            return dataclasses.replace(source, end=-1)  # one value (index 0): the dim does not matter
+        dims = [i for i, size in enumerate(shape) if not statically_known_true(size == 1)]
+        if len(dims) == 1 and _equal(shape[dims[0]], length):
+            return dataclasses.replace(source, end=dims[0] - len(shape))
+        return self._refuse(node, "a view that spreads an index over several dims")
+
     def _unsqueeze(self, node: torch.fx.Node):
         source = self(node.args[0])
-        if isinstance(source, _Grid):
-            at = node.args[1] % (source.rank + 1)
-            return _Grid(source.dim + (1 if at <= source.dim else 0), source.rank + 1, source.length)
+        if isinstance(source, (_Grid, _At)):
+            return self._moved(node, source)
         if isinstance(source, _Mask):
-            return source if node.args[1] % (meta_val(node).dim()) < meta_val(node).dim() - 2 else self._refuse(
-                node, "an unsqueeze between the query and key dims of a mask"
-            )
+            rank = meta_val(node).dim()
+            if node.args[1] % rank < rank - 2:
+                return source
+            return self._refuse(node, "an unsqueeze between or after the query and key dims of a mask")
         return self._refuse(node, "an unsqueeze of something other than an index grid")
 
     def _reshape(self, node: torch.fx.Node):
         """A grid placed on another dim by a view that only adds or removes size-1 dims."""
         source = self(node.args[0])
         shape = list(meta_val(node).shape)
-        if isinstance(source, _Grid):
-            if _equal(source.length, 1):
-                return _Grid(0, len(shape), source.length)  # one value (0): the dim does not matter
-            dims = [i for i, size in enumerate(shape) if not statically_known_true(size == 1)]
-            if len(dims) == 1 and _equal(shape[dims[0]], source.length):
-                return _Grid(dims[0], len(shape), source.length)
+        if isinstance(source, (_Grid, _At)):
+            return self._moved(node, source)
+        if isinstance(source, _Mask) and not source.terms:
+            return source  # all True (4.57's vmapped new_ones): every view of it is all True
         if isinstance(source, _Mask):
             before = list(meta_val(node.args[0]).shape)
             if len(before) >= 2 and len(shape) >= 2 and all(_equal(a, b) for a, b in zip(before[-2:], shape[-2:])):
@@ -328,22 +339,23 @@ class _Interpreter:
         return self._refuse(node, "a view that moves the query or key dim")
 
     def _gather(self, node: torch.fx.Node):
-        """``row[b, i]`` with b = the batch grid (a single 0) and i = the query or key grid, all 4-D."""
+        """``row[b, i]`` with b = the batch grid (a single 0) and i = the query or key grid (the result has
+        the broadcast shape of b and i: i's dim, counted from the last, is the result's)."""
         row, indices = self(node.args[0]), node.args[1]
         if not isinstance(row, _Row) or len(indices) != 2 or any(i is None for i in indices):
             return self._refuse(node, "an index that is not `row[batch_idx, q_idx]` / `row[batch_idx, kv_idx]`")
         batch, position = self(indices[0]), self(indices[1])
         tokens = meta_val(row.positions).shape[1]
-        if not isinstance(batch, _Grid) or not isinstance(position, _Grid) or batch.rank != 4 or position.rank != 4:
-            return self._refuse(node, "an index by something other than 4-D index grids")
+        if not isinstance(batch, _Grid) or not isinstance(position, _Grid):
+            return self._refuse(node, "an index by something other than index grids")
         if not _equal(batch.length, 1) or not _equal(meta_val(row.positions).shape[0], 1):
             raise _NotPacked(
                 f"position_ids {row.positions.name} has batch {meta_val(row.positions).shape[0]}: varlen attention "
                 "takes one packed row (B == 1); pack the micro-batch into one row (verl use_remove_padding)"
             )
-        if position.dim not in (_QUERY_AXIS, _KEY_AXIS) or not _equal(position.length, tokens):
+        if position.end not in (_QUERY, _KEY) or not _equal(position.length, tokens):
             return self._refuse(node, "an index that does not run over all T query or key positions")
-        return _At(row, position.dim)
+        return _At(row, position.end)
 
     # -- the mask terms --------------------------------------------------------------------------------
 
@@ -352,19 +364,18 @@ class _Interpreter:
         if node.target is aten.ge.Tensor:
             left, right = right, left  # q >= kv is kv <= q
         if node.target is aten.eq.Tensor:
-            pair = {getattr(left, "axis", None), getattr(right, "axis", None)}
+            pair = {getattr(left, "end", None), getattr(right, "end", None)}
             if (
-                isinstance(left, _At) and isinstance(right, _At) and pair == {_QUERY_AXIS, _KEY_AXIS}
+                isinstance(left, _At) and isinstance(right, _At) and pair == {_QUERY, _KEY}
                 and left.row == right.row and left.row.kind == "segments"
             ):
                 return _Mask(frozenset({_SAME}))
             return self._refuse(node, "an equality that is not seg[q] == seg[kv] of the packed segment ids")
-        # kv <= q, over the indices (5.10) or over the positions' values (5.24: the segments make them equal)
-        if isinstance(left, _Grid) and isinstance(right, _Grid):
-            if left.rank == right.rank == 4 and (left.dim, right.dim) == (_KEY_AXIS, _QUERY_AXIS):
-                return _Mask(frozenset({_CAUSAL}))
+        # kv <= q, over the indices (4.57, 5.10) or the positions' values (5.24: equal within a segment)
+        if isinstance(left, _Grid) and isinstance(right, _Grid) and (left.end, right.end) == (_KEY, _QUERY):
+            return _Mask(frozenset({_CAUSAL}))
         if isinstance(left, _At) and isinstance(right, _At) and left.row == right.row:
-            if left.row.kind == "positions" and (left.axis, right.axis) == (_KEY_AXIS, _QUERY_AXIS):
+            if left.row.kind == "positions" and (left.end, right.end) == (_KEY, _QUERY):
                 return _Mask(frozenset({_CAUSAL}))
         return self._refuse(node, "a comparison that is not kv <= q")
 
@@ -400,8 +411,13 @@ class _Interpreter:
     def _keep(self, node: torch.fx.Node):
         source = self(node.args[0])
         value, before = meta_val(node), meta_val(node.args[0])
-        if isinstance(source, _Grid) and node.target is not aten.slice.Tensor:
-            if value.dim() == source.rank and not value.is_floating_point() and value.dtype != torch.bool:
+        if isinstance(source, _Grid) and node.target is aten.slice.Tensor:
+            start, step = (node.args[2] if len(node.args) > 2 else 0), (node.args[4] if len(node.args) > 4 else 1)
+            if start in (0, None) and step == 1 and all(_equal(a, b) for a, b in zip(value.shape, before.shape)):
+                return source  # a full slice ([:, :, None] on a symbolic dim)
+            return self._refuse(node, "a slice of an index grid that drops indices")
+        if isinstance(source, _Grid):
+            if value.dim() == before.dim() and not value.is_floating_point() and value.dtype != torch.bool:
                 return source  # an index grid copied, cast between integer types or broadcast
             return self._refuse(node, "a copy of an index grid that changes it")
         if not isinstance(source, (_Mask, _Row)):

@@ -27,6 +27,12 @@ What is registered, and why (torch_npu 2.13.0 and 2.9.0 wheels, ``torch_npu/dyna
 - ``qwen_npu.gate_up_proj`` (:mod:`qwen_npu_compile.npu_ops.gate_up_proj`): the SwiGLU fusion's buffer
   of both projections; see :func:`_register_gate_up_proj` (BatchMatMulV2 twice, ConcatD along axis 0).
   Its backward graph holds only ATen ``mm``/``add``/views, which torchair converts itself.
+- ``qwen_npu.varlen_attention`` / ``varlen_attention_backward`` / ``seq_ends_from_positions``
+  (:mod:`qwen_npu_compile.npu_ops.varlen_attention`, packed sequences): torchair's converter of
+  ``npu_fusion_attention(_grad)`` refuses TND, so ours emit ``FlashAttentionScore(Grad)`` with
+  ``input_layout="TND"`` and the offsets as INT64 tensor inputs, and the offsets from ``position_ids``
+  with ``NonZero`` / ``ConcatV2``; see :mod:`qwen_npu_compile.ge_converters_varlen` for what is and is not
+  verified without an NPU.
 
 Not registered, on purpose: the CPU SDPA ops (``aten._scaled_dot_product_flash_attention_for_cpu`` and
 its backward) have no torchair converter. They appear only when attention is left unfused *and* the
@@ -39,10 +45,12 @@ from __future__ import annotations
 
 import importlib
 import logging
+import operator
 
 import torch
 
 from .ge_converters_moe import CONVERTERS as MOE_CONVERTERS
+from .ge_converters_varlen import CONVERTERS as VARLEN_CONVERTERS
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +62,65 @@ CPU_ONLY_OPS = (
 
 #: Names of the converters registered into the torchair of this process (idempotence).
 _REGISTERED: set[str] = set()
+
+
+#: The FX targets of runtime assertions on unbacked sizes (torch ``fx/passes/runtime_assert.py``, Dynamo's
+#: ``insert_deferred_runtime_asserts``; see :func:`drop_runtime_asserts`).
+RUNTIME_ASSERTS = (
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+)
+
+
+def drop_runtime_asserts(graph: torch.fx.Graph) -> list[str]:
+    """Remove the runtime assertions on unbacked sizes from ``graph`` (for torchair), with the symbolic
+    computations only they used; returns the asserted expressions (for a debug log).
+
+    Dynamo emits ``sym_size >= 1``, ``_assert_scalar`` (and ``sym_constrain_range*``) for every unbacked
+    size in a graph: the number of packed sequences (``integrations/varlen.py`` marks ``seq_ends`` with
+    ``mark_unbacked``; ``seq_ends_from_positions`` when Dynamo traces a call of it). torchair (torch_npu
+    2.13.0, ``npu_fx_compiler._NpuGraphConverter._wrap``) runs a comparison of SymInts such as
+    ``operator.ge`` directly on its ``ValuePack`` values (only ``+ - * / // ** % neg floor ceil`` get
+    converters), so such a graph fails conversion with ``TypeError: '>=' not supported between instances
+    of 'ValuePack' and 'int'``. Dropping them is what ``torch._dynamo.config.do_not_emit_runtime_asserts``
+    does at the source: the shape environment keeps the facts, only the checks at run time go. The
+    sizes they check are made valid by construction here (``host_seq_ends``: 1 <= B <= T, refused by
+    ``offsets_violation`` otherwise).
+
+    Args:
+        graph: an FX graph (Dynamo's, before torchair's AOTAutograd).
+
+    Returns:
+        The message of each dropped ``_assert_scalar`` (``"Runtime assertion failed for expression ..."``)
+        and the name of each dropped ``sym_constrain_range*`` node.
+    """
+    dropped, candidates = [], []
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in RUNTIME_ASSERTS and not node.users:
+            dropped.append(str(node.args[1]) if node.target is RUNTIME_ASSERTS[0] and len(node.args) > 1 else node.name)
+            candidates.extend(arg for arg in node.all_input_nodes)
+            graph.erase_node(node)
+    while candidates:  # the comparisons / sizes feeding them, once nothing else reads them
+        node = candidates.pop()
+        if node.graph is graph and not node.users and node.op == "call_function" and _symbolic(node):
+            candidates.extend(node.all_input_nodes)
+            graph.erase_node(node)
+    return dropped
+
+
+#: Targets that compute a size or a comparison of sizes (no tensor, no side effect).
+_SYMBOLIC_TARGETS = frozenset({
+    operator.ge, operator.gt, operator.le, operator.lt, operator.eq, operator.ne, operator.and_, operator.or_,
+    operator.not_, operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg,
+    torch.sym_not, torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_stride.int,
+})
+
+
+def _symbolic(node: torch.fx.Node) -> bool:
+    """A node computing a SymInt / SymBool / SymFloat (no tensor, no side effect)."""
+    value = node.meta.get("val", node.meta.get("example_value"))
+    return node.target in _SYMBOLIC_TARGETS or isinstance(value, (torch.SymInt, torch.SymBool, torch.SymFloat))
 
 
 def register_converters() -> list[str]:
@@ -190,5 +257,6 @@ _CONVERTERS = {
     "aten.silu_backward": _register_silu_backward,
     "qwen_npu.rotary_mul_orthogonal": _register_rotary_mul_orthogonal,
     "qwen_npu.gate_up_proj": _register_gate_up_proj,
+    **VARLEN_CONVERTERS,
     **MOE_CONVERTERS,
 }

@@ -336,6 +336,48 @@ def _sdpa_takeover(original):
     return sdpa_attention_forward
 
 
+def _fa2_interface_takeover(original):
+    """``ALL_ATTENTION_FUNCTIONS["flash_attention_2"](module, query [1, N, T, D], ...)`` -> varlen attention when
+    the pre-hook passed the offsets and no Ulysses all-to-all is needed (sp == 1); else ``original``
+    (transformers' ``flash_attention_forward``, which reaches the ``_flash_attention_forward`` takeover).
+
+    Taking over here, not only inside, keeps ``module.layer_idx`` out of the traced code: transformers'
+    ``flash_attention_forward`` reads it, and torch <= 2.9 guards integer module attributes as constants, so
+    every decoder layer recompiled the shared layer graph (transformers 4.57.6 + torch 2.9: one graph per
+    layer, eager after ``recompile_limit``)."""
+
+    @functools.wraps(original)
+    def flash_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                                sliding_window=None, softcap=None, is_causal=None, **kwargs):
+        ends = kwargs.get(SEQ_ENDS_KWARG)
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        plain = (ends is not None and attention_mask is None and not dropout and sliding_window is None
+                 and softcap is None and causal and kwargs.get("s_aux") is None and query.shape[0] == 1
+                 and not kwargs.get("output_attentions") and _ulysses_group()[1] == 1)
+        if plain:
+            if query.dtype == torch.float32 and torch.is_autocast_enabled(query.device.type):
+                # what transformers' get_target_dtype + fa_peft_integration_check do for fp32 under autocast
+                dtype = torch.get_autocast_dtype(query.device.type)
+                query, key, value = (t.to(dtype) for t in (query, key, value))
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            out = _varlen(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), ends, scale)
+            if out is not None:
+                return out, None
+        return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                        sliding_window=sliding_window, softcap=softcap, is_causal=is_causal, **kwargs)
+
+    flash_attention_forward._qwen_npu_original = original
+    return flash_attention_forward
+
+
+def _install_interface_takeover(name: str, takeover) -> None:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    current = ALL_ATTENTION_FUNCTIONS[name]
+    if getattr(current, "_qwen_npu_original", None) is None:
+        ALL_ATTENTION_FUNCTIONS[name] = takeover(current)
+
+
 def _check_flash_signature(function, where: str):
     try:
         parameters = inspect.signature(function).parameters
@@ -401,11 +443,7 @@ def _ulysses_dispatch(ulysses_forward):
 
 
 def _install_sdpa_takeover() -> str:
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    current = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    if getattr(current, "_qwen_npu_original", None) is None:
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = _sdpa_takeover(current)
+    _install_interface_takeover("sdpa", _sdpa_takeover)
     return "ALL_ATTENTION_FUNCTIONS['sdpa']"
 
 
@@ -438,5 +476,10 @@ def install(model: nn.Module) -> list[str]:
     if not getattr(base, "_qwen_npu_varlen_hook", None):
         base._qwen_npu_varlen_hook = base.register_forward_pre_hook(_packed_pre_hook, with_kwargs=True)
     installed.append(f"{type(base).__name__} forward pre-hook")
-    installed.append(_install_flash_takeover() if implementation == "flash_attention_2" else _install_sdpa_takeover())
+    if implementation == "flash_attention_2":
+        inner = _install_flash_takeover()  # checks transformers' / verl's signatures first
+        _install_interface_takeover("flash_attention_2", _fa2_interface_takeover)
+        installed += ["ALL_ATTENTION_FUNCTIONS['flash_attention_2']", inner]
+    else:
+        installed.append(_install_sdpa_takeover())
     return installed

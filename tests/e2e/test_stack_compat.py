@@ -158,6 +158,61 @@ def test_whole_model_new_lengths_and_paddings(attn):
         assert report.fusions == WHOLE_MODEL
 
 
+def test_whole_model_packed_sequences_run_varlen_attention():
+    """verl's packed micro-batch (``use_remove_padding``: one row, position ids restarting per sequence, no
+    attention mask): the packed causal mask transformers builds in the graph (4.57: through torch.vmap) is
+    proven from the position ids, so attention runs as ``qwen_npu.varlen_attention`` (issue 18)."""
+    model = tiny_qwen2(torch.bfloat16).train()
+    positions = torch.cat([torch.arange(n) for n in (6, 3, 7)])[None]
+    input_ids = torch.randint(0, 128, positions.shape, generator=torch.Generator().manual_seed(2))
+    expected, reference = eager_and_reference(model, input_ids, True, torch.bfloat16, position_ids=positions)
+    actual = run_model(model, torch.compile(model, backend="qwen_npu"), input_ids, True, position_ids=positions)
+    (report,) = SUMMARY.graphs
+    _assert_clean(report)
+    assert report.fusions == WHOLE_MODEL
+    assert report.variants.get("varlen_sdpa_mask_repeat_kv") == LAYERS, report.variants
+    assert_runs_match(actual, expected, reference)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "flash_attention_2"])
+def test_per_layer_packed_sequences_run_varlen_attention(attn, record_property):
+    """verl's packed micro-batches under per-layer compile, 3 packings of different T and sequence count:
+    the base model's pre-hook passes host offsets, each layer graph runs ``qwen_npu.varlen_attention``
+    (``flash_attention_2``: transformers' own NPU path, off-NPU through simulated_npu_host), at most 2 graphs
+    shared by the layers, parity with the eager run of each packing (issues 18, 19)."""
+    import contextlib
+
+    from qwen_npu_compile.integrations.npu_host import simulated_npu_host
+
+    host = simulated_npu_host() if attn == "flash_attention_2" else contextlib.nullcontext()
+    with host:
+        torch.manual_seed(0)
+        model = tiny_qwen2(torch.bfloat16, attn=attn).train()
+        eager_model = tiny_qwen2(torch.bfloat16, attn=attn).train()
+        compiled = maybe_compile(model, environ={ENV_COMPILE: "1"})
+        assert compiled == [f"model.layers.{i}" for i in range(LAYERS)]
+        for i, lens in enumerate([(6, 3, 7), (11,), (4, 9, 2, 5)]):
+            positions = torch.cat([torch.arange(n) for n in lens])[None]
+            input_ids = torch.randint(0, 128, positions.shape, generator=torch.Generator().manual_seed(i))
+            expected, reference = eager_and_reference(eager_model, input_ids, True, torch.bfloat16,
+                                                      position_ids=positions)
+            actual = run_model(model, model, input_ids, True, position_ids=positions)
+            assert_runs_match(actual, expected, reference)
+    records = layer_reports(model)
+    graphs = {report.name for record in records.values() for report in record.reports}
+    assert 1 <= len(graphs) <= 2, graphs
+    totals = dict.fromkeys(FAMILIES, 0)
+    for name, record in records.items():
+        assert record.calls["eager"] == 0 and record.calls["compiled"] == 3, (name, record.calls)
+        for report in record.reports:
+            _assert_clean(report)
+            assert {f: report.fusions.get(f, 0) for f in FAMILIES} == PER_LAYER, (name, report.fusions)
+            assert report.variants.get("varlen_packed_offsets") == 1, report.variants
+        for family in FAMILIES:
+            totals[family] += record.reports[0].fusions.get(family, 0)
+    record_property("fusions", json.dumps(totals))
+
+
 # --- torch.vmap regions and retrace failures, independent of the transformers version --------------
 
 

@@ -46,14 +46,19 @@ dynamic T, bf16 and fp16; the GE node types, their ``input_layout``/``sparse_mod
 and the inputs wired to ``actual_seq_qlen``/``actual_seq_kvlen``/``atten_mask``; that a CPU int64 graph
 input becomes a host (``placement='CPU'``) ``Data`` (torchair's ``fx2ge_converter.parse_input`` places a
 tensor input by its FakeTensor's device; off-NPU every tensor is a CPU tensor, so only the rule, not the
-q/k/v placement, is exercised); output counts and dtypes against the ops' meta outputs.
+q/k/v placement, is exercised); output counts and dtypes against the ops' meta outputs; and the
+sequence-ends and mask subgraphs evaluated with a NumPy model of each GE op (TF slice rules, NonZero
+``[N, rank]``) against the ops' kernels (both rules, int64/int32 positions, single-token and single-sequence
+rows).
 
 What is **not** verified (needs CANN on an NPU): GE compilation of ``FlashAttentionScore(Grad)`` in TND
 (shape inference: CANN documents the softmax statistics as ``[N, T, 8]`` where torch_npu's meta gives
 ``[T, N, 8]``; both only pass between these two ops), the ValueDepend read of ``actual_seq_*`` from a
 host ``Data`` or from the device output of ``NonZero`` with a dynamic length, tiling, the kernels'
-numerics, the ``StridedSliceV2`` end index ``-1`` (TF semantics: counts from the end), and Atlas A3
-(CANN's varlen table lists A2 only).
+numerics, the ``StridedSliceV2`` end index ``-1`` (TF semantics: counts from the end), where torchair places
+the ends a forward graph computes (``NonZero`` on the device) and saves for the backward graph (the op's
+meta says a CPU tensor, so the backward's ``Data`` is host-placed), and Atlas A3 (CANN's varlen table lists
+A2 only).
 """
 
 from __future__ import annotations

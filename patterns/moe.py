@@ -40,7 +40,7 @@ Limits: :func:`~qwen_npu_compile.npu_ops.grouped_matmul.grouped_matmul_violation
 routed row has an expert id in ``[0, E)``), which the kernel requires.
 
 Not covered: transformers 4.57's experts (an ``nn.ModuleList`` looped over with ``nonzero``/``.item()``:
-graph breaks; see :func:`loop_experts_warning`), ``experts_implementation="eager"``/``"batched_mm"``, and
+graph breaks; one warning, :func:`warn_loop_experts`), ``experts_implementation="eager"``/``"batched_mm"``, and
 verl's ``npu_patch`` MoE block (its ``npu_grouped_matmul`` calls arrive already fused).
 """
 
@@ -168,19 +168,6 @@ def swiglu_expected(config: Any, *, per_layer: bool) -> int | None:
     if per_layer:  # one sparse layer's graph (maybe_compile)
         return shared if sparse else 1
     return (config.num_hidden_layers - len(sparse)) + shared * len(sparse)
-
-
-def loop_experts_warning(config: Any) -> str | None:
-    """The one warning for MoE experts this family cannot fuse (transformers 4.57's ``nn.ModuleList`` loop,
-    or another ``experts_implementation``), or None."""
-    if not _sparse_layers(config) or experts_fusable(config):
-        return None
-    implementation = getattr(config, "_experts_implementation", None)
-    where = (f"experts_implementation={implementation!r}" if implementation is not None
-             else "transformers < 5 (experts as an nn.ModuleList loop)")
-    return (f"qwen_npu: the MoE experts of this {config.model_type} model stay unfused ({where}: a data-dependent "
-            "loop Dynamo breaks the graph at); use transformers >= 5 with experts_implementation='grouped_mm' "
-            "(its default) to run them through npu_grouped_matmul")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -317,10 +304,50 @@ def rewrite_routing(graph: torch.fx.Graph) -> dict[str, int]:
     return counts
 
 
+def loop_experts_router(graph: torch.fx.Graph) -> torch.fx.Node | None:
+    """The ``one_hot`` that betrays MoE experts run as a per-expert loop, or None: HF's
+    ``expert_mask = one_hot(top_k_index, E).permute(2, 1, 0)``.
+
+    transformers 4.57's ``Qwen3MoeSparseMoeBlock`` / ``Qwen2MoeSparseMoeBlock`` (``nn.ModuleList`` experts) and
+    5.x's ``experts_implementation="eager"`` build that mask and loop over ``expert_mask.sum(...).nonzero()``:
+    Dynamo breaks the graph there (``nonzero``, then ``.item()`` in ``self.experts[expert_idx]``), so each
+    expert's MLP is its own graph and no grouped matmul can form. (The top-k indices may be a graph input:
+    the router can sit in an earlier graph.)
+    """
+    for node in graph.find_nodes(op="call_function", target=aten.one_hot.default):
+        value = meta_val(node.args[0])
+        if not (isinstance(value, torch.Tensor) and value.dim() == 2 and not value.is_floating_point()):
+            continue
+        if any(_node(user, aten.permute.default) and list(user.args[1]) == [2, 1, 0] for user in node.users):
+            return node
+    return None
+
+
+_LOOP_WARNED: set[str] = set()
+
+
+def warn_loop_experts(graph: torch.fx.Graph) -> bool:
+    """Log the one warning of the process for MoE experts this family cannot fuse (:func:`loop_experts_router`);
+    returns whether ``graph`` shows them."""
+    router = loop_experts_router(graph)
+    if router is None:
+        return False
+    if "loop" not in _LOOP_WARNED:
+        _LOOP_WARNED.add("loop")
+        log.warning(
+            "qwen_npu: the MoE experts at %s run as a per-expert loop (transformers < 5, or "
+            "experts_implementation='eager'): Dynamo breaks the graph per expert and they stay unfused (each expert's "
+            "MLP may still fuse as swiglu); use transformers >= 5 with experts_implementation='grouped_mm' (its default) "
+            "to run them through npu_grouped_matmul", node_source(router))
+    return True
+
+
 class MoePass(FamilyPass):
-    """The grouped-matmul pattern pass, then :func:`rewrite_routing` on what it fused."""
+    """The grouped-matmul pattern pass, then :func:`rewrite_routing` on what it fused; warns once about
+    loop experts (:func:`warn_loop_experts`)."""
 
     def apply(self, gm: torch.fx.GraphModule, recorder) -> int:
+        warn_loop_experts(gm.graph)
         count = super().apply(gm, recorder)
         if count:
             rewritten = rewrite_routing(gm.graph)

@@ -45,6 +45,8 @@ FAMILIES: dict[str, tuple[str, str, bool]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", False),
     "llama": ("LlamaConfig", "LlamaForCausalLM", False),
     "mistral": ("MistralConfig", "MistralForCausalLM", False),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", True),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", False),
 }
 
 #: The ``model_type`` values of a local ``config.json`` this module builds.
@@ -77,6 +79,11 @@ ARCH_FIELDS = (
     "max_window_layers",
     "attention_dropout",
     "hidden_act",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "norm_topk_prob",
 )
 
 #: Weight files that make a local directory a "local-weights" model.
@@ -295,6 +302,45 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32000,
         max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=4096,
         tie_word_embeddings=False, attention_dropout=0.0, hidden_act="silu",
+    ),
+    # MoE (issue 20; the moe fusion family). Shapes of the published config.json files (huggingface.co/Qwen/<name>):
+    # the Qwen3-MoE shapes agree with THUDM/slime scripts/models/qwen3-{30B-A3B,235B-A22B}.sh (hidden, FFN, MoE
+    # FFN, heads/groups, kv-channels 128, layers, experts 128, top-8, eps 1e-6, rope 1e6, vocab 151936, untied);
+    # Qwen1.5-MoE-A2.7B with a config.json copy (Qwen1.5-MoE-A2.7B-Chat-GPTQ-Int4 model card: 60 experts, top-4,
+    # moe_intermediate 1408, max_window_layers 21, context 32768); the shared-expert widths and Qwen2-57B-A14B's
+    # config were not found in the index (from the published configs as recalled: the parameter counts they give,
+    # tests/patterns/test_moe.py, match the published totals 30.5B / 235B / 14.3B / 57.4B within 1%).
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+        sliding_window=None, use_sliding_window=False, max_window_layers=48, attention_bias=False,
+        attention_dropout=0.0, hidden_act="silu",
+    ),
+    "qwen3-235b-a22b": dict(
+        model_type="qwen3_moe", hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+        num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+        sliding_window=None, use_sliding_window=False, max_window_layers=94, attention_bias=False,
+        attention_dropout=0.0, hidden_act="silu",
+    ),
+    "qwen1.5-moe-a2.7b": dict(
+        model_type="qwen2_moe", hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
+        num_experts=60, num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+        vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        tie_word_embeddings=False, sliding_window=32768, use_sliding_window=False, max_window_layers=21,
+        attention_dropout=0.0, hidden_act="silu",
+    ),
+    "qwen2-57b-a14b": dict(
+        model_type="qwen2_moe", hidden_size=3584, intermediate_size=18944, moe_intermediate_size=2560,
+        shared_expert_intermediate_size=20480, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+        num_experts=64, num_experts_per_tok=8, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+        vocab_size=151936, max_position_embeddings=131072, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        tie_word_embeddings=False, sliding_window=131072, use_sliding_window=False, max_window_layers=28,
+        attention_dropout=0.0, hidden_act="silu",
     ),
 }
 
@@ -609,13 +655,27 @@ def estimate_num_parameters(config: Any, *, layers: int | None = None) -> int:
     _, _, bias = _family(config)
     norms = rms_norms_per_layer(config)
     per_layer = (h * q) + 2 * (h * kv) + q * h + 3 * h * inter + 2 * h
+    sparse = len(_moe_sparse_layers(config, n_layers))
+    if sparse:  # MoE layers: router [E, h] + E experts (3·h·I_moe) + Qwen2-MoE's shared expert and its gate
+        shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
+        moe_mlp = config.num_experts * (h + 3 * h * config.moe_intermediate_size) + (3 * h * shared + h if shared else 0)
+        per_layer_sparse_delta = moe_mlp - 3 * h * inter
+    else:
+        per_layer_sparse_delta = 0
     if bias:  # Qwen2's q/k/v projections have a bias
         per_layer += q + 2 * kv
     if norms == 4:  # Qwen3's q_norm and k_norm weights
         per_layer += 2 * head_dim
     vocab = config.vocab_size
     lm_head = 0 if config.tie_word_embeddings else vocab * h
-    return n_layers * per_layer + vocab * h + h + lm_head
+    return n_layers * per_layer + sparse * per_layer_sparse_delta + vocab * h + h + lm_head
+
+
+def _moe_sparse_layers(config: Any, layers: int) -> list[int]:
+    """The sparse MoE layers among the first ``layers`` (the moe fusion family's rule)."""
+    from ..patterns.moe import _sparse_layers
+
+    return [i for i in _sparse_layers(config) if i < layers]
 
 
 def estimate_memory_bytes(

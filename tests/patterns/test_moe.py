@@ -8,6 +8,7 @@ near miss, so ``strict`` passes); parity with eager, forward and backward.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -27,9 +28,9 @@ _TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_l
              num_experts=4, num_experts_per_tok=2)  # fmt: skip
 
 
-def tiny_moe(family: str, dtype=torch.float32):
+def tiny_moe(family: str, dtype=torch.float32, **kwargs):
     """A 2-layer tiny Qwen3-MoE (head_dim 64, top-2 of 4 experts, renormalised) or Qwen2-MoE (head_dim 16,
-    shared expert and its sigmoid gate), random weights, in ``dtype``."""
+    shared expert and its sigmoid gate), random weights, in ``dtype``; ``kwargs`` go to ``_from_config``."""
     torch.manual_seed(0)
     if family == "qwen3_moe":
         config = transformers.Qwen3MoeConfig(**_TINY, head_dim=64, norm_topk_prob=True)
@@ -37,7 +38,7 @@ def tiny_moe(family: str, dtype=torch.float32):
     else:
         config = transformers.Qwen2MoeConfig(**_TINY, shared_expert_intermediate_size=64)
         cls = transformers.Qwen2MoeForCausalLM
-    return cls._from_config(config, attn_implementation="sdpa").to(dtype)
+    return cls._from_config(config, attn_implementation="sdpa", **kwargs).to(dtype)
 
 
 def _ids():
@@ -80,6 +81,32 @@ def test_experts_fuse_into_grouped_matmul_with_parity_and_strict(family, dtype, 
     assert "aten.cat.default([getitem" not in forward
 
 
+def test_loop_experts_stay_unfused_with_one_warning(caplog):
+    """Experts run as a per-expert loop (transformers 4.57's nn.ModuleList; on 5.x experts_implementation="eager",
+    the same loop): graph breaks, no crash, attention/norms/rotary fused, parity, and exactly one warning naming
+    what to use instead."""
+    tf5 = int(transformers.__version__.split(".")[0]) >= 5
+    model = tiny_moe("qwen3_moe", torch.float32, **({"experts_implementation": "eager"} if tf5 else {}))
+    with caplog.at_level(logging.WARNING, logger="qwen_npu_compile"):
+        reports = assert_parity(model, _ids(), True, torch.float32)
+    warned = [r.getMessage() for r in caplog.records if "per-expert loop" in r.getMessage()]
+    assert len(warned) == 1 and "experts_implementation='grouped_mm'" in warned[0], warned
+    totals = {f: sum(r.fusions[f] for r in reports) for f in reports[0].fusions}
+    # the decoder layer's graph is compiled once and reused by both layers (guards pass): 4 norms, 2 rotary, 1
+    # attention; plus the final norm; each expert MLP graph fuses its swiglu; no grouped matmul
+    assert (totals["moe"], totals["attention"], totals["rotary"], totals["rms_norm"]) == (0, 1, 2, 5)
+    # measured: transformers 5.24 eager experts 11 graphs, the loop body's silu split from its mul by the breaks
+    # (2 swiglu near misses); 4.57.6 ModuleList experts 9 graphs, each expert's Qwen3MoeMLP graph fuses its swiglu
+    # (compiled twice: static, then dynamic token count)
+    refused = [(r.family, r.reason) for report in reports for r in report.refused]
+    if tf5:
+        assert (len(reports), totals["swiglu"]) == (11, 0)
+        assert refused == [("swiglu", "near miss: aten.silu.default at activations.py:103 is not inside a complete "
+                                      "swiglu subgraph")] * 2
+    else:
+        assert (len(reports), totals["swiglu"], refused) == (9, 2, [])
+
+
 GE_SCRIPT = """
 import json, sys
 import torch
@@ -116,3 +143,28 @@ def test_training_graphs_convert_for_ge_off_npu(simulated_npu_ops, tmp_path):
     assert forward["GroupedMatmul"] == 2 * LAYERS and backward["GroupedMatmul"] == 2 * 2 * LAYERS
     assert forward["SwiGlu"] == LAYERS and backward["SwiGluGrad"] == LAYERS
     assert (forward["SearchSorted"], forward["ScatterElements"]) == (LAYERS, LAYERS)
+
+
+#: preset -> (published total parameters, in billions; the model cards), the family's expected counts (whole model).
+PRESETS = {
+    "qwen3-30b-a3b": (30.5, {"rms_norm": 4 * 48 + 1, "moe": 2 * 48, "swiglu": 0, "rotary": 2 * 48, "attention": 48}),
+    "qwen3-235b-a22b": (235.0, {"rms_norm": 4 * 94 + 1, "moe": 2 * 94, "swiglu": 0, "rotary": 2 * 94, "attention": 94}),
+    "qwen1.5-moe-a2.7b": (14.3, {"rms_norm": 2 * 24 + 1, "moe": 2 * 24, "swiglu": 24, "rotary": 2 * 24, "attention": 24}),
+    "qwen2-57b-a14b": (57.4, {"rms_norm": 2 * 28 + 1, "moe": 2 * 28, "swiglu": 28, "rotary": 2 * 28, "attention": 28}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_moe_presets_match_the_published_models(name):
+    """The presets' shapes give the published parameter totals (within 1%), and ``check`` expects the moe
+    family's counts (2 per sparse layer; swiglu: Qwen2-MoE's shared expert; rms_norm: Qwen3's q/k norms)."""
+    from qwen_npu_compile.check import models
+
+    billions, counts = PRESETS[name]
+    config = models.resolve_model_config(name)
+    assert config.model_type in ("qwen2_moe", "qwen3_moe")
+    assert abs(models.estimate_num_parameters(config) / 1e9 - billions) / billions < 0.01
+    assert expected_fusions(config) == counts
+    assert expected_fusions(config, per_layer=True)["moe"] == 2
+    two = models.with_layers(config, 2)
+    assert expected_fusions(two)["moe"] == 4

@@ -380,3 +380,99 @@ def render_summary(loaded: dict[str, dict], total_seconds: float, command: str) 
     if "registration" in loaded:
         lines += _registration(loaded["registration"])
     return "\n".join(lines).rstrip() + "\n"
+
+
+# ----------------------------------------------------------------------------------------------------
+# the README's "Performance evidence" tables
+
+
+_SHORT = {"qwen2.5-0.5b": "0.5B", "qwen2.5-7b": "7B"}
+_README_LABELS = {"eager": "eager", "verl": "verl-style", "qwen_npu": "qwen_npu",
+                  "qwen_npu_explicit_mask": "qwen_npu, explicit mask", "qwen_npu_varlen": "qwen_npu, varlen"}
+
+
+def _model_label(name: str, shape: dict) -> str:
+    base = name.split(" ")[0]
+    return f"{_SHORT.get(base, base)}, {shape['seq_len']}"
+
+
+def readme_tables(traffic: dict) -> str:
+    """The traffic tables of README.md's "Performance evidence", from ``kernel_traffic.json``'s payload.
+
+    ``python -m benchmarks.markdown benchmarks/results/kernel_traffic.json`` prints them (the README's
+    tables are pasted from that output, so that they match the results file).
+    """
+    out = ["| model, S | variant | kernels fw / bw | non-matmul MiB fw + bw | × LB fw / bw / total | bw × math bound "
+           "| est. ms/layer | roofline ms/layer |", "|---|---|---|---|---|---|---|---|"]
+    for name, m in traffic["models"].items():
+        label = _model_label(name, m["shape"])
+        for i, (variant, entry) in enumerate((v, m["variants"][v]) for v in ("eager", "verl", "qwen_npu")
+                                             if v in m["variants"]):
+            layer = entry["per_layer"]
+            r = entry["ratio_to_lower_bound"]
+            out.append(
+                f"| {label if i == 0 else ''} | {_README_LABELS[variant]} | {layer['forward']['kernels']['total']} / "
+                f"{layer['backward']['kernels']['total']} | {layer['forward']['bytes']['non_matmul'] / MIB:,.0f} + "
+                f"{layer['backward']['bytes']['non_matmul'] / MIB:,.0f} | {r['forward']:.2f} / {r['backward']:.2f} / "
+                f"{r['total']:.2f} | {entry['ratio_to_math_backward_bound']:.2f} | {entry['est_ms_per_layer']['total']:.2f} "
+                f"| {entry['roofline_ms_per_layer']['total']:.2f} |"
+            )
+        lb = m["lower_bound"]
+        b = lb["bytes_per_layer"]
+        out.append(f"| | lower bound (math bw bound) | – | {b['forward'] / MIB:,.0f} + {b['backward'] / MIB:,.0f} "
+                   f"({lb['math_backward']['bytes'] / MIB:,.0f}) | 1.00 | – | {lb['est_ms_per_layer']['total']:.2f} | – |")
+    out += ["", "| model, S | eager | verl-style | qwen_npu | lower bound | qwen_npu × LB |", "|---|---|---|---|---|---|"]
+    for name, m in traffic.get("inference", {}).items():
+        v = m["variants"]
+        out.append(
+            f"| {_model_label(name, m['shape'])} | " + " | ".join(
+                f"{v[k]['bytes_per_layer']['forward'] / MIB:,.0f}" for k in ("eager", "verl", "qwen_npu"))
+            + f" | {m['lower_bound']['bytes_per_layer']['forward'] / MIB:,.0f} | "
+            f"{v['qwen_npu']['ratio_to_lower_bound']['forward']:.2f} |"
+        )
+    out += ["", "| model, S | eager GiB/step | verl-style | qwen_npu | est. ms/step eager / verl / qwen_npu "
+            "| qwen_npu vs verl |", "|---|---|---|---|---|---|"]
+    for name, step in traffic.get("verl_step", {}).items():
+        v = step["variants"]
+        base = name.split(" ")[0]
+        label = f"{_SHORT.get(base, base)} ({step['layers']} layers), {traffic['models'][name]['shape']['seq_len']}"
+        out.append(
+            f"| {label} | " + " | ".join(f"{v[k]['bytes_per_step'] / 1024**3:,.1f}" for k in ("eager", "verl", "qwen_npu"))
+            + " | " + " / ".join(f"{v[k]['est_ms_per_step']:.0f}" for k in ("eager", "verl", "qwen_npu"))
+            + f" | {v['verl']['bytes_per_step'] / v['qwen_npu']['bytes_per_step']:.2f}× |"
+        )
+    if traffic.get("packed"):
+        out += ["", "| 7B, T = 16384 as | mode | variant | kernels fw / bw | non-matmul MiB fw + bw | of which attention "
+                "| T×T tensors fw / bw | attention TFLOP | roofline ms/layer: total (matmul + attention + rest) "
+                "| ÷ varlen: bytes / roofline |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for row, packed in traffic["packed"].items():
+            label = row.rsplit(" as ", 1)[-1].replace("x", " × ")
+            for mode in ("training", "inference"):
+                m = packed.get(mode)
+                if m is None:
+                    continue
+                for variant, entry in m["variants"].items():
+                    layer = entry["per_layer"]
+                    kinds = [k for k in ("forward", "backward") if k in layer]
+                    roof = entry["roofline_ms_per_layer"]
+                    by = roof["by_category"]
+                    ratio = packed["ratios"][mode].get(variant)
+                    out.append(
+                        f"| {label} | {mode} | {_README_LABELS[variant]} | "
+                        + " / ".join(str(layer[k]["kernels"]["total"]) for k in kinds) + " | "
+                        + " + ".join(f"{layer[k]['bytes']['non_matmul'] / MIB:,.0f}" for k in kinds)
+                        + f" | {sum(layer[k]['bytes']['attention'] for k in kinds) / MIB:,.0f} | "
+                        + " / ".join(str(entry["square_tensors"][k]["tensors"]) for k in kinds)
+                        + f" | {entry['attention_flops_per_layer'] / 1e12:.2f} | {roof['total']:.2f} "
+                        f"({by['matmul']:.2f} + {by['attention']:.2f} + {by['fused'] + by['vector']:.2f}) | "
+                        + (f"{ratio['bytes']:.2f} / {ratio['roofline']:.2f} |" if ratio else "1 / 1 |")
+                    )
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":  # python -m benchmarks.markdown benchmarks/results/kernel_traffic.json
+    import json
+    import sys
+    from pathlib import Path
+
+    print(readme_tables(json.loads(Path(sys.argv[1]).read_text())), end="")

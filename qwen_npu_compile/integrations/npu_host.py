@@ -85,7 +85,8 @@ def simulated_npu_host() -> Iterator[None]:
     for name, module in list(sys.modules.items()):
         if not name.startswith("transformers") or module is None:
             continue
-        if getattr(module, "is_torch_npu_available", None) is original:
+        # the module's own namespace: getattr on transformers' lazy modules would import their submodules
+        if vars(module).get("is_torch_npu_available") is original:
             undo.append((setattr, (module, "is_torch_npu_available"), original))
             module.is_torch_npu_available = _true
     fa_utils, npu_fa = modules[0], modules[1]

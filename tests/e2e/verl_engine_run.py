@@ -118,6 +118,15 @@ LENGTHS = (12, 16, 9, 16)  # padded to 16 per micro-batch: the attention graph h
 DYNAMIC_TOKENS = 64
 
 
+def save_tiny_qwen2(folder: str) -> None:
+    from transformers import Qwen2ForCausalLM
+
+    from qwen_npu_compile.check.models import tiny_qwen2_config
+
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(tiny_qwen2_config(tie_word_embeddings=False, use_cache=True)).save_pretrained(folder)
+
+
 def lengths(step: int, settings: dict) -> list[int]:
     if not settings.get("use_dynamic_bsz"):
         return list(LENGTHS)

@@ -76,7 +76,8 @@ def run_model(model, runner, input_ids, train: bool, attention_mask=None, labels
 
     Returns:
         ``(logits, grads)``: fp32 logits (``[B, S, V]``, or ``[real tokens, V]`` with a mask) and
-        ``{parameter name of model: gradient}`` (empty without ``train``).
+        ``{parameter name of model: gradient}`` (empty without ``train``). The gradients are moved out of
+        the parameters (``p.grad`` is None afterwards), so that one copy of them is alive, not two.
     """
     kwargs.setdefault("use_cache", False)
     if train and labels is None:
@@ -89,7 +90,12 @@ def run_model(model, runner, input_ids, train: bool, attention_mask=None, labels
     logits = out.logits.detach().float()
     if attention_mask is not None:
         logits = logits[attention_mask.bool()]
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None} if train else {}
+    grads = {}
+    if train:
+        for name, p in model.named_parameters():
+            if p.grad is not None:
+                grads[name] = p.grad.detach()
+                p.grad = None
     return logits, grads
 
 
@@ -142,17 +148,8 @@ def run_check(args: argparse.Namespace) -> dict:
     layers = args.layers or config.num_hidden_layers
     if layers > config.num_hidden_layers:
         raise ValueError(f"--layers {layers} is more than {args.model} has (maximum {config.num_hidden_layers})")
-    need = models.estimate_memory_bytes(config, layers=layers, batch=args.batch, seq_len=args.seq_len, dtype=dtype, train=train)
-    if dtype != torch.float32:
-        # the fp32 reference copy: parameters, and gradients in train mode
-        need += models.estimate_num_parameters(config, layers=layers) * 4 * (2 if train else 1)
-    have = models.available_memory_bytes()
-    if have and need > have:
-        fit = max(1, int(layers * (have * 0.8) / need))
-        raise MemoryError(
-            f"estimated {need / 2**30:.1f} GiB needed for {layers} layers, {have / 2**30:.1f} GiB available; "
-            f"try --layers {fit} (or a smaller --batch/--seq-len)"
-        )
+    check_memory(args.model, config, layers=layers, batch=args.batch, seq_len=args.seq_len, dtype=dtype, train=train,
+                 autocast=autocast)
 
     status = ensure_npu_ops()
     half = dtype != torch.float32
@@ -183,16 +180,18 @@ def run_check(args: argparse.Namespace) -> dict:
     attention_mask = left_padding_mask(input_ids, args.left_padding)
     labels = padding_labels(input_ids, attention_mask)
 
-    stages.begin(f"eager {'forward + backward' if train else 'forward'}")
-    with amp():
-        eager = run_model(model, model, input_ids, train, attention_mask, labels)
-    stages.end()
-
+    # The fp32 reference runs first: its fp32 copy of the model is freed before the eager run, so the
+    # peak holds one fp32 model, not an fp32 model beside the eager run's gradients (models.memory_plan).
     reference = None
     if half:
         stages.begin("fp32 reference run of the same weights (the yardstick for half-precision parity)")
         reference = fp32_reference(model, input_ids, train, attention_mask, labels)
         stages.end()
+
+    stages.begin(f"eager {'forward + backward' if train else 'forward'}")
+    with amp():
+        eager = run_model(model, model, input_ids, train, attention_mask, labels)
+    stages.end()
 
     first_report = len(get_reports())
     if args.dynamic:
@@ -282,6 +281,53 @@ def run_check(args: argparse.Namespace) -> dict:
     if ge is not None:
         result["ge"] = ge
     return result
+
+
+def check_memory(model: str, config, *, layers: int, batch: int, seq_len: int, dtype: torch.dtype, train: bool,
+                 autocast: bool = False) -> models.MemoryPlan:
+    """Refuse a check that would not fit in memory, before anything is built.
+
+    The estimate is :func:`qwen_npu_compile.check.models.memory_plan` (every tensor the check creates,
+    run by run); the memory is :func:`~qwen_npu_compile.check.models.available_memory_bytes`
+    (``MemAvailable``; 0, unknown, means no check).
+
+    Returns:
+        The plan.
+
+    Raises:
+        MemoryError: the estimate exceeds the available memory; the message names the largest parts and
+            what fits instead: fewer ``--layers``, ``--mode infer``, or smaller presets.
+    """
+    half = dtype != torch.float32
+
+    def plan(cfg, n_layers: int, mode_train: bool) -> models.MemoryPlan:
+        return models.memory_plan(cfg, layers=n_layers, batch=batch, seq_len=seq_len, dtype=dtype, train=mode_train,
+                                  reference=half, autocast=autocast)
+
+    wanted = plan(config, layers, train)
+    have = models.available_memory_bytes()
+    if not have or wanted.total <= have:
+        return wanted
+    fits = [n for n in range(layers - 1, 0, -1) if plan(config, n, train).total <= have]
+    options = []
+    if fits:
+        options.append(f"--layers {fits[0]}")
+    if train and plan(config, layers, False).total <= have:
+        options.append("--mode infer")
+    if not fits:
+        smaller = []
+        for name in models.preset_names():
+            other = models.resolve_model_config(name)
+            if models.estimate_num_parameters(other, layers=1) < models.estimate_num_parameters(config, layers=1) \
+                    and plan(other, 1, train).total <= have:
+                smaller.append(name)
+        if smaller:
+            options.append(f"--layers 1 with a smaller preset ({', '.join(smaller)})")
+    hint = f"try {' or '.join(options)}" if options else "nothing this check builds fits; use a host with more memory"
+    raise MemoryError(
+        f"estimated {wanted.total / 2**30:.1f} GiB needed for {layers} layer(s) of {model} ({wanted.describe()}), "
+        f"{have / 2**30:.1f} GiB available; {hint} (or a smaller --batch/--seq-len)"
+    )
 
 
 def run_versions(status) -> dict:

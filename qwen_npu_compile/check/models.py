@@ -26,6 +26,7 @@ examples and quick benchmarks (transformers' real modeling code, random weights,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -678,7 +679,38 @@ def _moe_sparse_layers(config: Any, layers: int) -> list[int]:
     return [i for i in _sparse_layers(config) if i < layers]
 
 
-def estimate_memory_bytes(
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """What ``qwen-npu-compile check`` holds in memory, run by run (:func:`memory_plan`).
+
+    Attributes:
+        phases: per run, in the order the check runs them (``"fp32 reference"`` for half precision,
+            ``"eager"``, ``"compiled"``), the bytes alive at its peak: everything kept from the runs
+            before it plus its own parameters, gradients, saved activations and vocab-sized logits.
+        parts: the named components of the peak phase, in bytes (they add up to its value).
+        runtime: the fixed allowance for Python, torch, transformers and the compiler, bytes.
+    """
+
+    phases: dict[str, int]
+    parts: dict[str, int]
+    runtime: int
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.__getitem__)
+
+    @property
+    def total(self) -> int:
+        """The estimated peak resident memory of the check, bytes."""
+        return self.phases[self.peak_phase] + self.runtime
+
+    def describe(self, parts: int = 3) -> str:
+        """The largest parts of the peak, e.g. ``"in the fp32 reference run: parameters 2.8 GiB, ..."``."""
+        largest = sorted(self.parts.items(), key=lambda item: -item[1])[:parts]
+        return f"peak in the {self.peak_phase} run: " + ", ".join(f"{name} {value / _GIB:.1f} GiB" for name, value in largest)
+
+
+def memory_plan(
     config: Any,
     *,
     layers: int | None,
@@ -686,43 +718,35 @@ def estimate_memory_bytes(
     seq_len: int,
     dtype: torch.dtype,
     train: bool,
-) -> int:
-    """A rough upper-bound estimate of host/device memory to run the eager AND the compiled model.
+    reference: bool = False,
+    autocast: bool = False,
+) -> MemoryPlan:
+    """Every tensor the check creates, run by run, from the config alone (nothing is built).
 
-    The check runs the same model eagerly and compiled (forward, plus backward when ``train``) and
-    keeps both results for comparison. With ``b`` = bytes per element of ``dtype``, ``P`` =
-    :func:`estimate_num_parameters`, ``L`` = layers, ``B`` = batch, ``S`` = seq_len, ``h`` = hidden
-    size, ``a`` = attention heads, ``I`` = intermediate size, ``V`` = vocab size, the estimate is the
-    sum of:
+    The check (:func:`qwen_npu_compile.check.harness.run_check`) runs, in order: the fp32 reference
+    (``reference``: an fp32 copy of the model, half precision only), eager, then compiled; each run's
+    logits (fp32, ``T·V·4`` bytes) and gradients (one copy, moved out of the parameters) are kept for
+    the comparison. With ``P`` = :func:`estimate_num_parameters`, ``b`` = bytes per parameter element
+    (``dtype``; 4 with ``autocast``, whose weights stay fp32), ``c`` = bytes per activation element
+    (``dtype``), ``T = B·S`` tokens, ``V`` vocab, ``h`` hidden, ``a`` heads, ``I`` intermediate, ``L``
+    layers, a run holds:
 
-    * parameters: ``P·b`` (one model, shared by the eager and the compiled run);
-    * train only, gradients: ``2·P·b`` (the eager gradients are kept while the compiled ones are
-      computed);
-    * train only, saved activations of one run (the eager run's are freed by its backward before the
-      compiled run starts): ``L · B·S·(34·h + 5·a·S + max(0, 6·I − 16·h)) · b/2``. The first two terms
-      are the per-layer activation memory of a transformer layer in half precision without
-      recomputation, ``s·b·h·(34 + 5·a·s/h)`` bytes (Korthikanti et al., "Reducing Activation
-      Recomputation in Large Transformer Models", MLSys 2023, arXiv:2205.05198, Eq. 1); the
-      third corrects the paper's 4h GeLU MLP (16·h bytes per token) to the SwiGLU MLP (gate, up and
-      activation outputs, 3 tensors of I halves = 6·I bytes per token); ``b/2`` scales it from half
-      precision to ``dtype`` (×2 for fp32). The ``5·a·S`` term (attention scores, softmax, dropout) is
-      kept even for SDPA, which may materialise them on a CPU.
-    * inference only, the transient working set of one layer: ``B·S·(4·h + 3·I)·b + B·a·S²·b``;
-    * logits in fp32 (HF casts them to float for the loss/comparison): ``B·S·V·4`` bytes times 2
-      (logits and a kept copy), 3 in train (plus their gradient), times 2 for the eager and the
-      compiled results kept for comparison;
-    * a fixed 1 GiB for the runtime, the compiler (Dynamo/Inductor) and allocator slack.
+    * parameters ``P·b`` (the model; ``P·4`` more for the reference copy) and, in train mode, their
+      gradients, one copy (``P·b``; ``P·4`` for the reference);
+    * train, saved activations: ``L · T·(34·h + 5·a·S + max(0, 6·I − 16·h)) · c/2`` (Korthikanti et
+      al., "Reducing Activation Recomputation in Large Transformer Models", MLSys 2023,
+      arXiv:2205.05198, Eq. 1, ``s·b·h·(34 + 5·a·s/h)`` bytes per layer in half precision; the third
+      term turns its 4h GeLU MLP, 16·h bytes per token, into SwiGLU's gate, up and product, 6·I);
+      inference, one layer's working set ``T·(4·h + 3·I)·c + B·a·S²·c``;
+    * train with tied embeddings, the ``[V, h]`` gradient of the shared matrix twice more while autograd
+      sums the embedding's and the LM head's contributions (``2·V·h`` elements of the gradient dtype);
+    * vocab-sized logits: the LM head's output ``T·V·c``, and in train the loss's fp32 copy, its
+      log-softmax and their two gradients (``4·T·V·4``; transformers' ``ForCausalLMLoss`` upcasts the
+      logits), in inference the harness's fp32 copy (``T·V·4``).
 
-    Args:
-        config: A :class:`transformers.Qwen2Config` (or an object with the same attributes).
-        layers: Decoder layers that will be built; ``None`` uses ``config.num_hidden_layers``.
-        batch: Batch size ``B`` (>= 1).
-        seq_len: Sequence length ``S`` in tokens (>= 1).
-        dtype: Parameter / activation dtype.
-        train: Whether a backward pass runs too.
-
-    Returns:
-        Estimated bytes (an int). It is deliberately rough and errs high.
+    The peak is the largest run plus a fixed 1 GiB (:attr:`MemoryPlan.runtime`). Checked against the
+    peak resident set measured by ``tests/e2e/test_check_memory.py`` (``ru_maxrss`` of a ``check``
+    subprocess) on presets of different vocab and width; see the README's ``check`` section.
 
     Raises:
         ValueError: ``batch`` or ``seq_len`` < 1, or ``layers`` < 1.
@@ -732,25 +756,66 @@ def estimate_memory_bytes(
     n_layers = config.num_hidden_layers if layers is None else layers
     if n_layers < 1:
         raise ValueError(f"layers must be >= 1, got {n_layers}")
-    b = torch.empty((), dtype=dtype).element_size()
-    h = config.hidden_size
-    heads = config.num_attention_heads
-    inter = config.intermediate_size
-    vocab = config.vocab_size
+    c = torch.empty((), dtype=dtype).element_size()
+    b = 4 if autocast else c
+    h, heads, inter, vocab = config.hidden_size, config.num_attention_heads, config.intermediate_size, config.vocab_size
     tokens = batch * seq_len
-
     n_params = estimate_num_parameters(config, layers=n_layers)
-    total = n_params * b
-    if train:
-        total += 2 * n_params * b
-        per_layer_half = tokens * (34 * h + 5 * heads * seq_len + max(0, 6 * inter - 16 * h))
-        total += n_layers * per_layer_half * b // 2
-    else:
-        total += tokens * (4 * h + 3 * inter) * b + batch * heads * seq_len * seq_len * b
-    logits_copies = 3 if train else 2
-    total += 2 * logits_copies * tokens * vocab * 4
-    total += _GIB
-    return int(total)
+
+    def activations(e: int) -> int:
+        if train:
+            return n_layers * tokens * (34 * h + 5 * heads * seq_len + max(0, 6 * inter - 16 * h)) * e // 2
+        return tokens * (4 * h + 3 * inter) * e + batch * heads * seq_len * seq_len * e
+
+    def logits(e: int) -> int:
+        return tokens * vocab * (e + (16 if train else 4))
+
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    kept_logits = tokens * vocab * 4
+    phases: dict[str, int] = {}
+    parts_by_phase: dict[str, dict[str, int]] = {}
+    kept: dict[str, int] = {}
+    runs = (["fp32 reference"] if reference else []) + ["eager", "compiled"]
+    for run in runs:
+        e = 4 if run == "fp32 reference" else c
+        parts = {"parameters": n_params * b}
+        if run == "fp32 reference":
+            parts["fp32 reference parameters"] = n_params * 4
+        parts.update(kept)
+        if train:
+            parts[f"{run} gradients"] = n_params * (4 if run == "fp32 reference" else b)
+        if train and tied:
+            parts[f"{run} tied-embedding gradient sum"] = 2 * vocab * h * (4 if run == "fp32 reference" else b)
+        parts[f"{run} activations"] = activations(e)
+        parts[f"{run} logits"] = logits(e)
+        phases[run] = sum(parts.values())
+        parts_by_phase[run] = parts
+        if train:
+            kept[f"kept {run} gradients"] = parts[f"{run} gradients"]
+        kept[f"kept {run} logits"] = kept_logits
+    peak = max(phases, key=phases.__getitem__)
+    return MemoryPlan(phases=phases, parts=parts_by_phase[peak], runtime=_GIB)
+
+
+def estimate_memory_bytes(
+    config: Any,
+    *,
+    layers: int | None,
+    batch: int,
+    seq_len: int,
+    dtype: torch.dtype,
+    train: bool,
+    reference: bool = False,
+    autocast: bool = False,
+) -> int:
+    """The estimated peak memory of ``check``, bytes: :attr:`MemoryPlan.total` of :func:`memory_plan`
+    (same arguments; ``reference`` adds the fp32 reference run of half precision). It errs high.
+
+    Raises:
+        ValueError: ``batch`` or ``seq_len`` < 1, or ``layers`` < 1.
+    """
+    return memory_plan(config, layers=layers, batch=batch, seq_len=seq_len, dtype=dtype, train=train,
+                       reference=reference, autocast=autocast).total
 
 
 def available_memory_bytes() -> int:

@@ -22,12 +22,15 @@ default ``experts_implementation`` (``"grouped_mm"``) of ``Qwen3MoeExperts`` / `
     mul_15 = aten.mul.Tensor(silu, chunk[1])
     _grouped_mm_1 = aten._grouped_mm.default(mul_15, transpose_5, cumsum)
 
-FX after::
+FX after (the pattern emits ``offs.to(torch.int64)``; :func:`rewrite_routing` then replaces the histc offsets)::
 
-    to = aten.to.dtype(cumsum, torch.int64)                                   # group_list is int64
-    grouped_matmul = qwen_npu.grouped_matmul.default(index, transpose_4, to)  # [S, 2I]
-    npu_swiglu = npu.npu_swiglu.default(grouped_matmul, -1)                   # gate = first half, no cat
-    grouped_matmul_1 = qwen_npu.grouped_matmul.default(npu_swiglu, transpose_5, to_1)
+    arange = aten.arange.default(4, dtype=torch.int64)
+    searchsorted = aten.searchsorted.Tensor(sort_values, arange, right=True)           # int64 [E] ends
+    index_select = aten.index_select.default(view_3, 0, floor_divide)                  # was index.Tensor
+    grouped_matmul = qwen_npu.grouped_matmul.default(index_select, transpose_4, searchsorted)  # [S, 2I]
+    npu_swiglu = npu.npu_swiglu.default(grouped_matmul, -1)                            # gate = first half, no cat
+    grouped_matmul_1 = qwen_npu.grouped_matmul.default(npu_swiglu, transpose_5, searchsorted)
+    scatter = aten.scatter.src(empty_like, 0, sort_indices, arange_1)                  # was index_put_
 
 ``npu_swiglu`` reads the grouped matmul's contiguous ``[S, 2I]`` output directly: the ``cat([gate, up])``
 copy (``[S, 2I]``, also saved for backward) that the swiglu family's ``silu(gate) * up`` variants would

@@ -1,10 +1,13 @@
-"""The "verl-style" baseline: transformers' Qwen2 monkey-patched the way verl does it on Ascend.
+"""The "verl-style" baseline: what verl runs on Ascend, transformers' Qwen2 patched by verl's ``npu_patch``
+with attention through transformers' NPU flash attention.
 
 verl's ``verl/models/transformers/npu_patch.py`` defines three patches (``rms_norm_forward``,
 ``silu_forward``, ``apply_rotary_pos_emb_*_npu``) and assigns them to the Qwen-family HF classes it
-supports (``Qwen2RMSNorm``; ``Qwen2_5_VLMLP`` / ``Qwen3MLP``; Qwen3-MoE rotary). Here the same three
-patches are applied to transformers' text Qwen2 classes, which is what a verl user training Qwen2.5 on
-Ascend gets with all three enabled; attention is left to SDPA:
+supports (``Qwen2RMSNorm``; ``Qwen2_5_VLMLP`` / ``Qwen3MLP``; Qwen3-MoE rotary; verl 0.9.1's
+``_patch_qwen2`` patches the text Qwen2 classes). Here the same three patches are applied to
+transformers' text Qwen2 classes (:func:`verl_patches`); attention runs as verl's default
+``attn_implementation="flash_attention_2"`` does on an NPU host (:func:`npu_flash_attention_2`:
+``npu_fusion_attention`` in BSND, or TND when packed):
 
 * ``Qwen2RMSNorm.forward``  -> ``npu_rms_norm(x, weight, epsilon)[0]``
 * ``Qwen2MLP.forward``      -> ``down_proj(npu_swiglu(cat([gate_proj(x), up_proj(x)], -1), -1))``

@@ -28,18 +28,24 @@ META_KEYS = {"command", "versions", "npu_ops", "host", "quick", "part_seconds"}
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    originals = (
-        modeling_qwen2.Qwen2RMSNorm.forward,
-        modeling_qwen2.Qwen2MLP.forward,
-        modeling_qwen2.apply_rotary_pos_emb,
-    )
+    from transformers import modeling_flash_attention_utils as fa_utils
+    from transformers.integrations import npu_flash_attention
+
+    def state():
+        return (
+            modeling_qwen2.Qwen2RMSNorm.forward,
+            modeling_qwen2.Qwen2MLP.forward,
+            modeling_qwen2.apply_rotary_pos_emb,
+            fa_utils._is_packed_sequence,
+            fa_utils.prepare_fa_kwargs_from_position_ids,
+            fa_utils.is_torch_npu_available,
+            dict(npu_flash_attention.ATTN_MASK_NPU_CACHE),
+        )
+
+    originals = state()
     assert bench_run.main(["--quick", "--out", str(out)]) == 0
-    # the verl-style patches must not leak out of the benchmark
-    assert (
-        modeling_qwen2.Qwen2RMSNorm.forward,
-        modeling_qwen2.Qwen2MLP.forward,
-        modeling_qwen2.apply_rotary_pos_emb,
-    ) == originals
+    # neither verl's patches nor the NPU flash-attention set-up may leak out of the benchmark
+    assert state() == originals
     return {name: (out / name) for name in FILES}
 
 
@@ -247,3 +253,18 @@ def test_packed_rows(results):
         assert entry["roofline_ms_per_layer"]["total"] > 0
     summary = results["summary.md"].read_text()
     assert "## 1d. Packed sequences" in summary
+
+
+def test_packing_must_fill_one_row():
+    """A packing that does not sum to S in one row is refused before anything is captured."""
+    from benchmarks import traffic
+    from qwen_npu_compile.check.models import tiny_qwen2_config
+
+    import torch
+
+    with pytest.raises(ValueError, match="must sum to S=40 in one row"):
+        traffic.build_graphs(tiny_qwen2_config(), 1, traffic.PACKED_VARIANTS[:1], 1, 40, torch.bfloat16, packing=(8, 16))
+    with pytest.raises(ValueError, match="B=2"):
+        traffic.build_graphs(tiny_qwen2_config(), 1, traffic.PACKED_VARIANTS[:1], 2, 40, torch.bfloat16, packing=(8, 32))
+    with pytest.raises(ValueError, match="agree"):
+        traffic.build_graphs(tiny_qwen2_config(), 1, traffic.PACKED_VARIANTS, 1, 40, torch.bfloat16, packing=(8, 32))

@@ -56,6 +56,7 @@ from typing import Any
 import torch
 
 from qwen_npu_compile.fusion import (
+    EMITTED_BY,
     FamilyPass,
     FusionFamily,
     PatternVariant,
@@ -353,6 +354,9 @@ class MoePass(FamilyPass):
         warn_loop_experts(gm.graph)
         count = super().apply(gm, recorder)
         if count:
+            for node in gm.graph.find_nodes(op="call_function", target=torch.ops.npu.npu_swiglu.default):
+                if _node(node.args[0], gmm.OP):  # ours, not an "already fused" swiglu of the swiglu family
+                    node.meta[EMITTED_BY] = self.family.name
             rewritten = rewrite_routing(gm.graph)
             log.debug("qwen_npu: MoE routing rewritten for torchair: %s", rewritten)
         return count
@@ -373,6 +377,12 @@ class MoeFamily(FusionFamily):
     def anchor_ops(self) -> tuple:  # the fallback op exists once transformers' integrations.moe is imported
         fallback = _fallback_op()
         return (aten._grouped_mm.default,) + ((fallback,) if fallback is not None else ())
+
+    @classmethod
+    def backward_op_counts(cls, fusions: int) -> dict[str, int]:
+        """dx and dW (``npu_grouped_matmul``) per fused grouped matmul; ``npu_swiglu_backward`` for every
+        second one (the gate_up matmul's activation: one of the 2 fusions per MoE layer)."""
+        return {"npu_grouped_matmul": fusions * cls.backward_per_fusion, "npu_swiglu_backward": fusions // cls.per_layer}
 
     @classmethod
     def expected_per_layer(cls, model_config: Any) -> int:

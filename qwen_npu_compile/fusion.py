@@ -39,6 +39,9 @@ from .canonicalize import trace_pattern
 
 log = logging.getLogger(__name__)
 
+#: ``node.meta`` key naming the family whose pass emitted a fused op (set where it matters: :meth:`FamilyPass.count_fused`).
+EMITTED_BY = "qwen_npu_emitted_by"
+
 #: A variant's check: returns None to accept a match, or the reason to refuse it.
 CheckFn = Callable[[pm.Match], "str | None"]
 
@@ -109,6 +112,12 @@ class FusionFamily:
         """Fusions one decoder layer of ``model_config`` (a transformers ``PretrainedConfig``) must give;
         override when it depends on the architecture (Qwen3's q_norm/k_norm)."""
         return cls.per_layer
+
+    @classmethod
+    def backward_op_counts(cls, fusions: int) -> dict[str, int]:
+        """The npu ops ``fusions`` fusions of this family bring into a training graph's AOT backward graph:
+        ``{backward_op_name: fusions * backward_per_fusion}``; override when a fusion brings several ops."""
+        return {cls.backward_op_name: fusions * cls.backward_per_fusion} if cls.backward_op_name else {}
 
     @classmethod
     def expected_count(cls, model_config: Any, *, per_layer: bool = False) -> int:
@@ -475,7 +484,10 @@ class FamilyPass:
         return len(self.anchor_nodes(graph))
 
     def count_fused(self, graph: torch.fx.Graph) -> int:
-        return sum(len(graph.find_nodes(op="call_function", target=op)) for op in self.family.fused_ops)
+        """The family's fused ops already in ``graph`` (a monkey-patched model), less those an earlier family's
+        pass emitted in this compile (``node.meta["qwen_npu_emitted_by"]``: moe's npu_swiglu is not swiglu's)."""
+        return sum(1 for op in self.family.fused_ops for node in graph.find_nodes(op="call_function", target=op)
+                   if node.meta.get(EMITTED_BY, self.family.name) == self.family.name)
 
 
 # --------------------------------------------------------------------------------------------------

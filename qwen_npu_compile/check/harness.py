@@ -247,9 +247,11 @@ def run_check(args: argparse.Namespace) -> dict:
         if missing:
             problems.append(f"gradients missing or extra for {missing[:3]}")
         if downstream == "aot_eager":
-            for family, count in fused.items():
-                op = BACKWARD_OPS[family]
-                want = count * patterns.FAMILIES[family].backward_per_fusion
+            wants: dict[str, int] = {}
+            for family, count in fused.items():  # per op, summed over the families that bring it
+                for op, want in patterns.FAMILIES[family].backward_op_counts(count).items():
+                    wants[op] = wants.get(op, 0) + want
+            for op, want in wants.items():
                 if backward_ops.get(op, 0) != want:
                     problems.append(f"AOT backward holds {backward_ops.get(op, 0)} {op}, expected {want}")
 

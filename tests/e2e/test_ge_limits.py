@@ -198,7 +198,7 @@ def _compile_bsnd(head_dim: int, dynamic_seq: bool = False):
 
 def test_unprovable_sin_with_head_dim_16_is_refused_naming_the_converter(npu_ops, torchair_target_on_aot_eager):
     report = _compile_bsnd(16)
-    assert report.fusions == {"rms_norm": 0, "swiglu": 0, "rotary": 0, "attention": 0}
+    assert report.fusions == {"moe": 0, "rms_norm": 0, "swiglu": 0, "rotary": 0, "attention": 0}
     [refusal] = _refusals(report, "rotary")
     assert "npu_rotary_mul_backward" in refusal.reason and "D % 64 == 0, got D=16" in refusal.reason
     assert "equal halves" in refusal.reason
@@ -319,7 +319,7 @@ def test_training_graph_converts_with_torchair(npu_ops, hidden, dynamic):
     ConcatD of gate_up_proj's two matmuls."""
     [report] = _convert(hidden, "bfloat16", dynamic)
     assert report["failures"] == []
-    assert report["fusions"] == {"rms_norm": 3, "swiglu": 1, "rotary": 2, "attention": 1}
+    assert report["fusions"] == {"moe": 0, "rms_norm": 3, "swiglu": 1, "rotary": 2, "attention": 1}
     ops = {g["kind"]: g["ops"] for g in report["graphs"]}
     assert ops["forward"]["FlashAttentionScore"] == 1 and ops["forward"]["RotaryMul"] == 2
     assert ops["backward"]["FlashAttentionScoreGrad"] == 1 and ops["backward"]["RotaryMul"] == 2

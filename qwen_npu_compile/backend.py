@@ -57,7 +57,9 @@ def qwen_npu_backend(
             ``torchair_mode="reduce-overhead"``.
         qwen_npu_compile.torchair_offline.TorchairUnavailableError: ``downstream="torchair"`` off-NPU and
             the paired torch_npu wheel could not be obtained (no network and none cached).
-        FusionError: strict mode and an enabled family refused or near-missed a match.
+        FusionError: strict mode and an enabled family refused or near-missed a match, or a stage failed
+            (canonicalize, fuse, emit, hand-off, dump, report) where the default falls back with one
+            warning (:data:`STAGES`; see the README's "No stage stops training").
     """
     if mode is not None:
         raise ValueError(

@@ -53,6 +53,7 @@ def hand_off(downstream: str, gm: torch.fx.GraphModule, example_inputs, report: 
     if downstream in ("torchair", "inductor"):
         if downstream == "torchair":
             backend = torchair_backend(report, config)  # settings that cannot work raise here, no fallback
+            _drop_runtime_asserts(gm)
         else:
             from torch._inductor.compile_fx import compile_fx as backend
         try:
@@ -173,7 +174,18 @@ def _recording_compiler(kind: str, report: GraphReport, config: QwenNpuConfig):
 def torchair_hand_off(gm: torch.fx.GraphModule, example_inputs, report: GraphReport, config: QwenNpuConfig):
     """``torchair.get_npu_backend`` on ``gm``: the real torchair on an NPU, the wheel's off-NPU (no
     whole-graph fallback here: :func:`hand_off` adds it). See :func:`torchair_backend`."""
+    _drop_runtime_asserts(gm)
     return torchair_backend(report, config)(gm, example_inputs)
+
+
+def _drop_runtime_asserts(gm: torch.fx.GraphModule) -> None:
+    """Dynamo's runtime assertions on unbacked sizes (the number of packed sequences, ``integrations/varlen.py``)
+    go before torchair: it cannot convert their SymInt comparisons
+    (:func:`qwen_npu_compile.ge_converters.drop_runtime_asserts`)."""
+    from .ge_converters import drop_runtime_asserts
+
+    if drop_runtime_asserts(gm.graph):
+        gm.recompile()
 
 
 def torchair_backend(report: GraphReport, config: QwenNpuConfig):

@@ -253,11 +253,6 @@ def test_packed_qwen2_whole_model_converts(converted, mode):
             _assert_attention_node(node, heads=HEADS, scale=HEAD_DIM ** -0.5, ends_from="Data", dynamic=True)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the per-layer graph takes seq_ends with an unbacked length (integrations/varlen.py mark_unbacked), so Dynamo "
-    "emits `sym_size >= 0` / _assert_scalar, which torchair 2.13.0 cannot interpret (operator.ge on a ValuePack): "
-    "the hand-off falls back to aot_eager until it calls ge_converters.drop_runtime_asserts(gm.graph) before "
-    "torchair (verified: then 0 failures)"))
 @pytest.mark.parametrize("mode", ["train", "infer"])
 def test_packed_qwen2_per_layer_converts(converted, mode):
     """maybe_compile: one graph for both decoder layers (2/1/2/1), its seq_ends a host Data."""

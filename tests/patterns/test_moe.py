@@ -63,6 +63,7 @@ def test_experts_fuse_into_grouped_matmul_with_parity_and_strict(family, dtype, 
     assert expected["moe"] == 2 * LAYERS
     assert expected["swiglu"] == (LAYERS if family == "qwen2_moe" else 0)  # Qwen2-MoE's shared expert
     assert report.fusions == expected
+    assert report.already_fused["swiglu"] == 0  # moe's npu_swiglu is moe's (check adds already-fused to fused)
     fused = "moe_grouped_mm" if dtype == torch.bfloat16 else "moe_fallback"
     assert {v: n for v, n in report.variants.items() if v.startswith("moe")} == {fused: LAYERS, f"{fused}_swiglu": LAYERS}
     # npu_swiglu reads the gate_up grouped matmul directly: no cat

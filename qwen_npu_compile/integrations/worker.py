@@ -448,6 +448,10 @@ class _CompiledLayerCall:
         if not self._checked:
             self._check()
         layer, calls = self.layer, self.record.calls
+        if "qwen_npu_seq_ends" in kwargs:  # a packed micro-batch (integrations/varlen.py): one graph for every T
+            from .varlen import mark_tokens_dynamic
+
+            mark_tokens_dynamic(args, kwargs)
         token = _RUNNING_LAYER.set(self.record)
         try:
             if _passes_cache(kwargs):

@@ -205,6 +205,7 @@ def run_check(args: argparse.Namespace) -> dict:
     for what in (f"compiling with backend='qwen_npu' ({status.kind} npu ops"
                  f"{', dynamic sequence length' if args.dynamic else ''}) and running it once", "compiled run again (timing)"):
         stages.begin(what)
+        compiled_run = None  # the first run's logits and gradients go before the second run makes its own
         start = time.perf_counter()
         with amp():
             compiled_run = run_model(model, compiled, input_ids, train, attention_mask, labels)

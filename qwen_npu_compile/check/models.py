@@ -685,8 +685,9 @@ class MemoryPlan:
 
     Attributes:
         phases: per run, in the order the check runs them (``"fp32 reference"`` for half precision,
-            ``"eager"``, ``"compiled"``), the bytes alive at its peak: everything kept from the runs
-            before it plus its own parameters, gradients, saved activations and vocab-sized logits.
+            ``"eager"``, ``"compiled"``, then ``"comparing"``), the bytes alive at its peak: everything
+            kept from the runs before it plus its own parameters, gradients, saved activations and
+            vocab-sized logits (comparing: the kept results and the error's fp32 temporaries).
         parts: the named components of the peak phase, in bytes (they add up to its value).
         runtime: the fixed allowance for Python, torch, transformers and the compiler, bytes.
     """
@@ -744,7 +745,10 @@ def memory_plan(
       log-softmax and their two gradients (``4·T·V·4``; transformers' ``ForCausalLMLoss`` upcasts the
       logits), in inference the harness's fp32 copy (``T·V·4``).
 
-    The peak is the largest run plus a fixed 1 GiB (:attr:`MemoryPlan.runtime`). Checked against the
+    Comparing the runs adds, to everything kept, the fp32 temporaries of the error (both sides cast,
+    their difference, its absolute value) of one block of :data:`.parity.BLOCK_ELEMENTS` elements.
+
+    The peak is the largest phase plus a fixed 1 GiB (:attr:`MemoryPlan.runtime`). Checked against the
     peak resident set measured by ``tests/e2e/test_check_memory.py`` (``ru_maxrss`` of a ``check``
     subprocess) on presets of different vocab and width; see the README's ``check`` section.
 
@@ -793,6 +797,12 @@ def memory_plan(
         if train:
             kept[f"kept {run} gradients"] = parts[f"{run} gradients"]
         kept[f"kept {run} logits"] = kept_logits
+    # comparing: every kept result, plus the error's fp32 temporaries (check.parity works in blocks)
+    from .parity import BLOCK_ELEMENTS
+
+    parts = {"parameters": n_params * b, **kept, "comparison temporaries": 4 * BLOCK_ELEMENTS * 4}
+    phases["comparing"] = sum(parts.values())
+    parts_by_phase["comparing"] = parts
     peak = max(phases, key=phases.__getitem__)
     return MemoryPlan(phases=phases, parts=parts_by_phase[peak], runtime=_GIB)
 

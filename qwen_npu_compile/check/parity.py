@@ -27,23 +27,44 @@ METRIC = (
 )
 
 
+#: Elements per block of the error computations: their fp32 temporaries stay below 16 MiB each, however
+#: large the tensor (a 128k-vocab embedding's gradient is 525 M elements; cast whole, both sides and
+#: their difference would be three 2 GiB temporaries).
+BLOCK_ELEMENTS = 1 << 22
+
+
+def _blocks(actual, expected):
+    """Matching flat blocks of ``actual`` and ``expected``, each cast to fp32."""
+    a, e = actual.reshape(-1), expected.reshape(-1)
+    if a.numel() != e.numel():
+        raise ValueError(f"shapes differ: {tuple(actual.shape)} vs {tuple(expected.shape)}")
+    for start in range(0, max(e.numel(), 1), BLOCK_ELEMENTS):
+        yield a[start:start + BLOCK_ELEMENTS].float(), e[start:start + BLOCK_ELEMENTS].float()
+
+
 def relative_l2(actual, expected) -> float:
     """``||a - e||_2 / ||e||_2`` over one tensor or a dict of tensors (all entries together).
 
-    Norms are taken in fp32 per tensor and combined in Python floats. Returns 0.0 when both are zero,
-    ``inf`` when only the reference is.
+    Norms are taken in fp32 per block of :data:`BLOCK_ELEMENTS` and combined in Python floats. Returns
+    0.0 when both are zero, ``inf`` when only the reference is.
     """
     pairs = [(actual[name], expected[name]) for name in expected] if isinstance(expected, dict) else [(actual, expected)]
-    diff = sum(torch.linalg.vector_norm(a.float() - e.float()).item() ** 2 for a, e in pairs) ** 0.5
-    norm = sum(torch.linalg.vector_norm(e.float()).item() ** 2 for _, e in pairs) ** 0.5
+    diff = norm = 0.0
+    for a, e in pairs:
+        for a_block, e_block in _blocks(a, e):
+            diff += torch.linalg.vector_norm(a_block - e_block).item() ** 2
+            norm += torch.linalg.vector_norm(e_block).item() ** 2
+    diff, norm = diff ** 0.5, norm ** 0.5
     return diff / norm if norm > 0 else (0.0 if diff == 0 else float("inf"))
 
 
 def max_abs_error(actual, expected) -> float:
-    """``max |a - e|`` over one tensor or a dict of tensors."""
+    """``max |a - e|`` over one tensor or a dict of tensors (in fp32 blocks of :data:`BLOCK_ELEMENTS`)."""
     if isinstance(expected, dict):
         return max((max_abs_error(actual[n], e) for n, e in expected.items()), default=0.0)
-    return (actual.float() - expected.float()).abs().max().item()
+    if expected.numel() == 0:
+        return 0.0
+    return max((a - e).abs().max().item() for a, e in _blocks(actual, expected))
 
 
 def judge_parity(compiled, eager, reference, fp32_tolerance: float) -> dict:

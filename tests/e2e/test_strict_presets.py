@@ -72,10 +72,10 @@ def tiny_qwen2_5_vl_text_config():
     fields = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS, num_attention_heads=2,
                   num_key_value_heads=1, vocab_size=512, max_position_embeddings=512, rms_norm_eps=1e-6,
                   use_cache=False, attention_dropout=0.0)
-    try:
+    if int(transformers.__version__.split(".")[0]) >= 5:
         return transformers.Qwen2_5_VLTextConfig(**fields, rope_parameters=rope)
-    except TypeError:  # transformers 4.x names it rope_scaling
-        return transformers.Qwen2_5_VLTextConfig(**fields, rope_scaling=rope, rope_theta=1000000.0)
+    # transformers 4.x names it rope_scaling (and keeps an unknown rope_parameters as a plain attribute)
+    return transformers.Qwen2_5_VLTextConfig(**fields, rope_scaling=dict(rope), rope_theta=1000000.0)
 
 
 def test_strict_passes_on_a_tiny_qwen2_5_vl_text_model(npu_ops):

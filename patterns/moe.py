@@ -362,6 +362,12 @@ class MoePass(FamilyPass):
         return count
 
 
+def _aten_grouped_mm() -> tuple:
+    """``(aten._grouped_mm.default,)``, or ``()`` on a torch without it (2.7: added in torch 2.8)."""
+    packet = getattr(torch.ops.aten, "_grouped_mm", None)
+    return (packet.default,) if packet is not None else ()
+
+
 class MoeFamily(FusionFamily):
     """``aten._grouped_mm`` / ``transformers::grouped_mm_fallback`` -> ``qwen_npu::grouped_matmul`` (with
     ``npu_swiglu`` on the gate/up output); 2 per sparse MoE layer."""
@@ -376,7 +382,7 @@ class MoeFamily(FusionFamily):
     @property
     def anchor_ops(self) -> tuple:  # the fallback op exists once transformers' integrations.moe is imported
         fallback = _fallback_op()
-        return (aten._grouped_mm.default,) + ((fallback,) if fallback is not None else ())
+        return _aten_grouped_mm() + ((fallback,) if fallback is not None else ())
 
     @classmethod
     def backward_op_counts(cls, fusions: int) -> dict[str, int]:
@@ -395,7 +401,9 @@ class MoeFamily(FusionFamily):
         return cls.per_layer * len(_sparse_layers(model_config)) if experts_fusable(model_config) else 0
 
     def iter_variants(self):
-        anchor = (aten._grouped_mm.default,)
+        anchor = _aten_grouped_mm()
+        if not anchor:  # torch < 2.8 has no aten._grouped_mm (nor transformers' grouped_mm experts on it)
+            return
         yield PatternVariant("moe_grouped_mm_swiglu", _search_aten_swiglu, _replace_swiglu, _examples, _check_fn(True),
                              why="bf16 grouped_mm experts: gate_up grouped matmul, chunk, silu(gate) * up",
                              anchor_ops=anchor)

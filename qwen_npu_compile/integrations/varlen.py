@@ -164,6 +164,25 @@ def packing_refusal(module: nn.Module, kwargs: dict) -> str | None:
     return None
 
 
+def _limits_refusal(module: nn.Module, tokens: int) -> str | None:
+    """The varlen kernel's limits (``varlen_violation``) for this model's attention at ``tokens`` tokens,
+    checked on meta tensors before the layers run: heads, KV heads and head dim from the config, the dtype
+    attention will see (autocast's, else the parameters')."""
+    from ..npu_ops.varlen_attention import varlen_violation
+
+    config = module.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    parameter = next(module.parameters(), None)
+    device = parameter.device.type if parameter is not None else "cpu"
+    dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+             else (parameter.dtype if parameter is not None else torch.float32))
+    q = torch.empty(tokens, heads, head_dim, dtype=dtype, device="meta")
+    kv = torch.empty(tokens, kv_heads, head_dim, dtype=dtype, device="meta")
+    return varlen_violation(q, kv, kv, None, head_num=heads)
+
+
 def _mark_unbacked(tensor: torch.Tensor, dim: int) -> None:
     """No guard on the number of sequences: an unbacked size (no 0/1 specialisation, so a single-sequence
     micro-batch reuses the graph); torch releases without ``mark_unbacked`` get ``maybe_mark_dynamic``."""
@@ -215,7 +234,7 @@ def _packed_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
         log.debug("qwen_npu: no varlen offsets: the packed row does not start at position 0")
         return None
     ends = host_seq_ends(positions, rule)
-    reason = offsets_violation(ends, positions.shape[-1])
+    reason = offsets_violation(ends, positions.shape[-1]) or _limits_refusal(module, positions.shape[-1])
     if reason is not None:
         _warn_once(f"offsets:{reason}", "qwen_npu: packed micro-batch keeps transformers' attention path: %s", reason)
         return None
@@ -266,9 +285,10 @@ def _varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ends: t
 
     heads = query.shape[2]
     q, k, v = (t.reshape(t.shape[0] * t.shape[1], t.shape[2], t.shape[3]) for t in (query, key, value))
-    # the offsets' values were checked by the pre-hook on the host (offsets_violation); here, while Dynamo
-    # traces the layer, only the tensors are (no .tolist() of the offsets in the graph)
-    reason = varlen.varlen_violation(q, k, v, None, head_num=heads)
+    # The pre-hook checked every limit on the host (the offsets' values and the shapes it can know,
+    # _limits_refusal); while Dynamo traces the layer nothing more is checked (no .tolist() of the offsets
+    # in the graph, and torch 2.7's guard_or_false is a function Dynamo refuses to trace: a graph break).
+    reason = None if torch.compiler.is_compiling() else varlen.varlen_violation(q, k, v, None, head_num=heads)
     if reason is not None:
         _warn_once(f"refused:{reason}", "qwen_npu: packed attention not fused into varlen attention (%s); "
                    "using transformers' path", reason)

@@ -260,7 +260,11 @@ def test_packed_qwen2_per_layer_converts(converted, mode):
     report = _only_report(case)
     assert report["downstream_fallbacks"] == [] and report["downstream"] == "torchair"
     assert report["failures"] == []
-    assert _fused(report) == {"rms_norm": 2, "swiglu": 1, "rotary": 2, "attention": 1}
+    # The packed layer's token dim is dynamic from the first call (integrations/varlen.py mark_tokens_dynamic),
+    # and for a dynamic training graph the rotary family keeps Qwen2's rotary unfused for torchair
+    # (torchair's npu_rotary_mul_backward converter refuses dynamic shapes; see patterns/rotary.py): open item.
+    rotary = 0 if mode == "train" else 2
+    assert _fused(report) == {"rms_norm": 2, "swiglu": 1, "attention": 1, **({"rotary": rotary} if rotary else {})}
     [forward] = _graphs(case, "forward")
     [node] = _nodes(forward, "FlashAttentionScore")
     _assert_attention_node(node, heads=HEADS, scale=HEAD_DIM ** -0.5, ends_from="Data", dynamic=True)

@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="train with model.gradient_checkpointing_enable(use_reentrant=False), as HF Trainer does")
     check.add_argument("--autocast", action="store_true",
                        help="fp32 weights run under torch.autocast('cpu', dtype=--dtype) (bf16/fp16), as Trainer's bf16=True")
+    check.add_argument("--vocab-size", type=positive_int, default=None, metavar="V",
+                       help="replace the model's vocab_size (embedding and LM head rows; random weights only). No fused "
+                            "op sees this dimension; a small V shortens CPU runs, where bf16 LM-head matmuls dominate "
+                            "(default: the model's)")
     check.add_argument("--dump-dir", type=Path, default=None, help="write graphs, report.json and summary.json here")
     check.add_argument("--json", type=Path, default=None, dest="json_path", metavar="FILE", help="write the results as JSON")
     check.add_argument("-v", "--verbose", action="store_true", help="log every qwen_npu line")

@@ -1,6 +1,6 @@
 """torchair FX→GE conversion of Qwen2.5-0.5B-width graphs across the settings users train with (CI).
 
-Runs ``qwen-npu-compile check qwen2.5-0.5b --layers 2 --downstream torchair`` (off-NPU: torchair's
+Runs ``qwen-npu-compile check qwen2.5-0.5b --layers 2 --vocab-size 4096 --downstream torchair`` (off-NPU: torchair's
 own converters from the torch_npu wheel that pairs with the installed torch, see
 ``qwen_npu_compile/torchair_offline``) once per combination of mode (train/infer), dtype (bf16/fp16),
 attention (sdpa/eager) and sequence length (static/``--dynamic``), plus left-padded training runs
@@ -32,9 +32,15 @@ import tempfile
 import time
 from pathlib import Path
 
-#: Sequence length per dtype: 80 in bf16; 24 in fp16, whose CPU matmuls (the 151,936-word LM head
-#: above all) run ~7x slower than bf16 ones here. Neither equals a model dimension (see above).
+#: Sequence length per dtype: 80 in bf16; 24 in fp16, whose CPU matmuls run slower than bf16 ones.
+#: Neither equals a model dimension (see above).
 SEQ_LEN = {"bf16": 80, "fp16": 24}
+
+#: ``check --vocab-size``: the embedding and LM head rows (the preset's 151,936 otherwise). No fused op or
+#: converter sees the vocab dimension. On a CPU without AVX512-BF16 (CI's 2-core AVX2 host) the LM head's
+#: bf16 input gradient at V = 151,936 took ~130 s per backward, and a training run 7 min 53 s (2026-12-02;
+#: CI's full matrix then ran past 90 min); at 4096 the eager bf16 step takes ~7 s. 4096 is no model dimension.
+VOCAB_SIZE = 4096
 MODES, DTYPES, ATTNS, SHAPES = ("train", "infer"), ("bf16", "fp16"), ("sdpa", "eager"), ("static", "dynamic")
 
 
@@ -56,6 +62,7 @@ def run_one(mode: str, dtype: str, attn: str, shape: str, padding: str, folder: 
     """One ``check`` run in its own process; returns its JSON result (or the error it printed)."""
     out = folder / f"{mode}-{dtype}-{attn}-{shape}-{padding}.json"
     command = [sys.executable, "-m", "qwen_npu_compile.cli", "check", "qwen2.5-0.5b", "--layers", "2", "--seq-len", str(SEQ_LEN[dtype]),
+               "--vocab-size", str(VOCAB_SIZE),
                "--downstream", "torchair", "--mode", mode, "--dtype", dtype, "--attn", attn, "--json", str(out)]
     if shape == "dynamic":
         command.append("--dynamic")

@@ -145,6 +145,9 @@ def run_check(args: argparse.Namespace) -> dict:
             raise TorchairUnavailableError(missing)
     fusions = backend_config.fusions
     config = models.resolve_model_config(args.model)
+    vocab_size = getattr(args, "vocab_size", None)
+    if vocab_size is not None:
+        config = models.with_vocab_size(config, vocab_size)
     layers = args.layers or config.num_hidden_layers
     if layers > config.num_hidden_layers:
         raise ValueError(f"--layers {layers} is more than {args.model} has (maximum {config.num_hidden_layers})")
@@ -165,7 +168,8 @@ def run_check(args: argparse.Namespace) -> dict:
         torchair_seconds["torchair_import"] = offline.import_seconds
         stages.end(f"torch_npu {offline.torch_npu_version}, wheel {offline.sources.wheel.name}")
     stages.begin(f"building {args.model}: {layers} layers, {args.dtype}, attn={args.attn}, mode={args.mode}")
-    model, info = models.build_model(args.model, layers=layers, dtype=torch.float32 if autocast else dtype, attn=args.attn)
+    model, info = models.build_model(args.model, layers=layers, dtype=torch.float32 if autocast else dtype, attn=args.attn,
+                                     vocab_size=vocab_size)
     model.train(train)
     if checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.2x: the old name is deprecated
@@ -262,6 +266,7 @@ def run_check(args: argparse.Namespace) -> dict:
             "batch": args.batch, "seq_len": args.seq_len, "dtype": args.dtype, "mode": args.mode,
             "attn": args.attn, "fusions": sorted(fusions), "downstream": downstream, "dynamic": args.dynamic,
             "left_padding": args.left_padding, "autocast": autocast, "grad_checkpointing": checkpointing,
+            "vocab_size": model.config.vocab_size, "vocab_override": vocab_size is not None,
         },
         "versions": run_versions(status),
         "simulated": status.simulated,

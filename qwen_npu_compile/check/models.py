@@ -498,6 +498,24 @@ def with_layers(config: Qwen2Config, layers: int) -> Qwen2Config:
     return type(config).from_dict(data)
 
 
+def with_vocab_size(config: Qwen2Config, vocab_size: int) -> Qwen2Config:
+    """A copy of ``config`` with ``vocab_size`` rows in the embedding and the LM head.
+
+    No fused op and no converter sees the vocab dimension (it is the LM head's matmul and the loss), so a
+    smaller vocab leaves every fusion and GE conversion as it is and only shortens CPU runs: on a CPU without
+    AVX512-BF16 (torch 2.13.0+cpu, AVX2 only), the LM head's bf16 input gradient ``[S, V] @ [V, H]`` at
+    V = 151,936 takes ~130 s (fp32: 0.4 s; measured, ``tools/ge_matrix.py``).
+
+    Raises:
+        ValueError: ``vocab_size`` < 1.
+    """
+    if not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+    data = config.to_dict()
+    data["vocab_size"] = vocab_size
+    return type(config).from_dict(data)
+
+
 #: The tiny Qwen2 of the tests, examples and quick benchmarks: 2 decoder layers, hidden 64, 4 attention
 #: heads and 2 KV heads (GQA, head_dim 16), intermediate 128, vocab 128, no KV cache. Other families'
 #: configs (Qwen3, Llama, Mistral) accept the same fields.
@@ -556,6 +574,7 @@ def build_model(
     layers: int | None,
     dtype: torch.dtype,
     attn: str,
+    vocab_size: int | None = None,
 ) -> tuple[Qwen2ForCausalLM, dict[str, Any]]:
     """Builds a Qwen2/Qwen2.5 causal LM on the CPU, in eval mode, with ``use_cache=False``.
 
@@ -574,6 +593,8 @@ def build_model(
             keeps all of the config's layers.
         dtype: Floating parameter dtype (``torch.float32``, ``torch.bfloat16`` or ``torch.float16``).
         attn: ``attn_implementation``: ``"sdpa"`` or ``"eager"``.
+        vocab_size: replaces the config's ``vocab_size`` (embedding and LM head rows; :func:`with_vocab_size`),
+            random weights only; ``None`` keeps the model's.
 
     Returns:
         ``(model, info)``: the :class:`transformers.Qwen2ForCausalLM` (on the CPU, parameters in
@@ -585,7 +606,8 @@ def build_model(
     Raises:
         ValueError: ``model`` is not resolvable (see :func:`resolve_model_config`); ``layers`` is not
             an integer, is < 1, or exceeds the config's ``num_hidden_layers`` (the message names the
-            maximum); ``attn`` is not ``"sdpa"``/``"eager"``; ``dtype`` is not a floating torch dtype.
+            maximum); ``attn`` is not ``"sdpa"``/``"eager"``; ``dtype`` is not a floating torch dtype;
+            ``vocab_size`` is given for a directory that holds weights, or is < 1.
     """
     if attn not in ATTN_IMPLEMENTATIONS:
         raise ValueError(f"attn must be one of {', '.join(ATTN_IMPLEMENTATIONS)}; got {attn!r}")
@@ -595,8 +617,11 @@ def build_model(
     full_config = resolve_model_config(model)
     n_layers = _check_layers(layers, full_config.num_hidden_layers)
     config = with_layers(full_config, n_layers)
-
     directory = _local_dir(model)
+    if vocab_size is not None:
+        if directory is not None and _has_weights(directory):
+            raise ValueError(f"--vocab-size needs random weights, but {directory} holds weights (they fix the vocab)")
+        config = with_vocab_size(config, vocab_size)
     dtype_kw = {_dtype_kwarg(): dtype}
     torch.manual_seed(0)
     if directory is not None and _has_weights(directory):

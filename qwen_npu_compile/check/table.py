@@ -7,7 +7,9 @@ def print_table(result: dict) -> None:
     kind = "simulated" if result["simulated"] else "real"
     print()
     dynamic = ", dynamic sequence length" if result["settings"].get("dynamic") else ""
-    print(f"qwen_npu check: {result['model']['name']} ({result['model']['layers']} layers), "
+    vocab = result["model"]["config"].get("vocab_size")
+    layers = f"{result['model']['layers']} layers" + (f", vocab {vocab}" if result["settings"].get("vocab_override") else "")
+    print(f"qwen_npu check: {result['model']['name']} ({layers}), "
           f"{result['settings']['dtype']} {result['settings']['mode']}, attn={result['settings']['attn']}{dynamic}, "
           f"npu ops {kind}, downstream {result['settings']['downstream']}")
     found = result["versions"]

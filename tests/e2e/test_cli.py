@@ -35,6 +35,19 @@ def test_check_passes_on_a_local_config_and_writes_json(npu_ops, tiny_model_dir,
     assert (tmp_path / "dump" / "summary.json").exists()
 
 
+def test_check_vocab_size_override_is_named_and_recorded(npu_ops, tiny_model_dir, tmp_path, capsys):
+    out_json = tmp_path / "result.json"
+    status = cli.main(["check", str(tiny_model_dir), "--seq-len", "8", "--dtype", "fp32", "--mode", "infer",
+                       "--vocab-size", "40", "--json", str(out_json)])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "(2 layers, vocab 40)" in printed
+    result = json.loads(out_json.read_text())
+    assert result["settings"]["vocab_size"] == 40 and result["settings"]["vocab_override"] is True
+    assert result["model"]["config"]["vocab_size"] == 40
+    assert result["fusions"]["rms_norm"]["fused"] == 5
+
+
 def test_check_fp32_infer(npu_ops, tiny_model_dir, capsys):
     status = cli.main(["check", str(tiny_model_dir), "--dtype", "fp32", "--mode", "infer", "--attn", "eager",
                        "--fusions", "rms_norm,swiglu"])

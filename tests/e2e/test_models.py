@@ -211,6 +211,24 @@ def test_bad_attn_and_dtype_rejected(config_dir):
         build_model(str(config_dir), layers=1, dtype=torch.int32, attn="sdpa")
 
 
+def test_vocab_size_override_changes_only_the_vocab(config_dir):
+    _, base = build_model(str(config_dir), layers=1, dtype=torch.float32, attn="sdpa")
+    model, info = build_model(str(config_dir), layers=1, dtype=torch.float32, attn="sdpa", vocab_size=96)
+    assert model.model.embed_tokens.weight.shape == (96, 64)
+    assert model.lm_head.weight.shape == (96, 64)
+    assert info["config"]["vocab_size"] == 96
+    changed = {k for k in info["config"] if info["config"][k] != base["config"][k]}
+    assert changed == {"vocab_size"}
+
+
+def test_vocab_size_override_refused_with_weights_and_below_one(weights_dir):
+    path, _ = weights_dir
+    with pytest.raises(ValueError, match="--vocab-size needs random weights"):
+        build_model(str(path), layers=1, dtype=torch.float32, attn="sdpa", vocab_size=96)
+    with pytest.raises(ValueError, match="positive integer"):
+        models.with_vocab_size(tiny_config(), 0)
+
+
 # --- parameter count / memory estimate ------------------------------------------------------------
 
 

@@ -117,12 +117,30 @@ def check_rms_norm(x, weight) -> str | None:
     return None
 
 
+def _matched_eps(match):
+    """The match's ``eps``: its keyword, else the second operand of the ``add`` under the matched ``rsqrt``.
+
+    torch ≤ 2.9 hands the check the match of the pattern re-traced with the graph's values, where a literal
+    eps other than the tracing's magic 1e-6 (e.g. Llama's and Mistral's 1e-5) is exact, not a keyword, so it
+    is missing from ``match.kwargs`` (torch ≥ 2.10 fills it in from the first match).
+    """
+    if "eps" in match.kwargs:
+        return match.kwargs["eps"]
+    for node in match.nodes:
+        if node.target is aten.rsqrt.default:
+            add = node.args[0]
+            if isinstance(add, torch.fx.Node) and add.target is aten.add.Tensor and len(add.args) == 2:
+                return add.args[1]
+    return None
+
+
 def _check(match) -> str | None:
     # eps must be npu_rms_norm's Python float epsilon (a tensor variance_epsilon is read only when constant)
-    eps, reason = scalar_argument("npu_rms_norm", "epsilon", match.kwargs.get("eps"))
+    eps, reason = scalar_argument("npu_rms_norm", "epsilon", _matched_eps(match))
     if reason is not None:
         return reason
-    _EPS_CONSTANT.set(eps if eps is not match.kwargs.get("eps") else None)
+    # a number the match does not bind itself (a constant tensor's value, or ≤ 2.9's literal) goes in verbatim
+    _EPS_CONSTANT.set(eps if isinstance(eps, (int, float)) and eps is not match.kwargs.get("eps") else None)
     return check_rms_norm(meta_val(match.kwargs["x"]), meta_val(match.kwargs["weight"]))
 
 

@@ -74,6 +74,20 @@ def test_bf16_activations_with_fp32_norm_weight_keep_hf_promotion(npu_ops):
     assert [r.fusions["rms_norm"] for r in get_reports()] == [1]
 
 
+@pytest.mark.stack_compat
+@pytest.mark.parametrize("eps", [1e-5, 0.25])
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_any_eps_fuses_with_its_own_value(npu_ops, eps, dynamic):
+    """Llama's and Mistral's 1e-5 (not the tracing's magic 1e-6) fuse on every stack (torch 2.9's check sees
+    a match without the eps keyword), and the fused op uses that eps: at 0.25 a 1e-6 would differ by ~10%."""
+    norm = Qwen2RMSNorm(64, eps=eps)
+    torch.nn.init.normal_(norm.weight)
+    x = 0.3 * torch.randn(2, 8, 64)
+    compiled = torch.compile(norm, backend="qwen_npu", options=CORE, dynamic=dynamic or None)(x)
+    torch.testing.assert_close(compiled, norm(x), atol=1e-5, rtol=1e-5)
+    assert [(r.fusions["rms_norm"], r.refused) for r in get_reports()] == [(1, [])]
+
+
 # --- negatives --------------------------------------------------------------------------------------
 
 

@@ -4,6 +4,7 @@ Use it as ``torch.compile(model, backend="qwen_npu")`` (registered by entry poin
 package never imports torch_npu; the npu ops are resolved (real or simulated) at the first compile.
 """
 
+from . import compat
 from .config import ALL_FAMILIES, QwenNpuConfig
 from .npu_ops import NpuOpsStatus, ensure_npu_ops
 from .report import FusionError, GraphReport, get_reports
@@ -21,3 +22,7 @@ __all__ = [
     "maybe_compile",
 ]
 __version__ = "0.1.0"
+
+# Before Dynamo traces any frame for this backend (a compile-start callback): transformers 5.10.4's MoE
+# experts log while traced (compat.ignore_transformers_version_probe_logging).
+compat.install_tracing_fixes()

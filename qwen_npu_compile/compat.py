@@ -30,6 +30,11 @@ What differs, and how it is absorbed:
   unconditionally in torch 2.10-2.13 (a KeyError for a plain checkpoint, which Dynamo records without
   it); torch 2.7-2.9 do not retrace the body at all. :func:`checkpoint_bodies_retraceable` gives such
   bodies torch's own default policy (recompute everything) for the duration of a retrace.
+* One transformers difference that Dynamo trips on: transformers 5.10.4's MoE experts
+  (``integrations/moe.py`` ``_can_use_grouped_mm``) call ``is_torch_less_or_equal`` while traced, which
+  reaches ``import_utils.logger.debug``: a graph break per MoE block (Qwen3-MoE: 21 graphs for 2 layers,
+  experts unfused). torch >= 2.7 can ignore one logger's method while tracing
+  (``torch._dynamo.config.ignore_logger_methods``): :func:`ignore_transformers_version_probe_logging`.
 * AOTAutograd's ``default_partition`` asserts on 2.9.0 on the scalar-tensorification nodes that lack
   ``tensor_meta`` (dynamic shapes, training); 2.13.0 accepts them: :func:`default_partition`.
 """
@@ -61,11 +66,55 @@ __all__ = [
     "functorch_depth",
     "functorch_levels_restored",
     "guard_or_false",
+    "ignore_transformers_version_probe_logging",
+    "install_tracing_fixes",
     "register_replacement",
     "saved_tensors_hooks_disabled",
     "strip_default_context_fn",
     "wraps_compiled",
 ]
+
+
+# --------------------------------------------------------------------------------------------------
+# transformers code Dynamo traces
+
+
+def ignore_transformers_version_probe_logging() -> bool:
+    """Let Dynamo skip ``transformers.utils.import_utils.logger.debug`` (a package-version probe's debug line)
+    instead of breaking the graph on it: transformers 5.10.4's grouped-mm MoE experts probe the torch version
+    while traced. Only that logger's ``debug`` is ignored (while tracing only: eager calls still log).
+
+    Run at package import, by ``maybe_compile`` and at the start of Dynamo frame compiles
+    (:func:`install_tracing_fixes`; ``torch._dynamo.reset()`` clears that callback, not the ignore set), so a
+    transformers imported after this package is covered too; a no-op when transformers is not imported or
+    torch has no ``ignore_logger_methods``. Returns whether the method is in Dynamo's ignore set.
+    """
+    import sys
+
+    logger = getattr(sys.modules.get("transformers.utils.import_utils"), "logger", None)
+    ignored = getattr(torch._dynamo.config, "ignore_logger_methods", None)
+    if not isinstance(logger, logging.Logger) or not isinstance(ignored, set):
+        return False
+    ignored.add(logger.debug)
+    return True
+
+
+_TRACING_FIXES_INSTALLED = False
+
+
+def install_tracing_fixes() -> None:
+    """Register :func:`ignore_transformers_version_probe_logging` as a Dynamo compile-start callback (before a
+    frame is traced: the backend itself only sees the finished graph); once per process. torch 2.7-2.13 have
+    ``torch._dynamo.callback_handler.register_start_callback``; where missing it runs once, now."""
+    global _TRACING_FIXES_INSTALLED
+    if _TRACING_FIXES_INSTALLED:
+        return
+    _TRACING_FIXES_INSTALLED = True
+    ignore_transformers_version_probe_logging()
+    handler = getattr(torch._dynamo, "callback_handler", None)
+    register = getattr(handler, "register_start_callback", None)
+    if register is not None:
+        register(lambda *args: ignore_transformers_version_probe_logging() and None)
 
 
 # --------------------------------------------------------------------------------------------------

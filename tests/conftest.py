@@ -101,3 +101,24 @@ def aot_traced(fn):
 def call_targets(gm) -> list:
     """The targets of ``gm``'s ``call_function`` nodes, in graph order."""
     return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+#: The tiny MoE models of the MoE tests: 2 layers, hidden 64, 4 heads / 2 KV heads, top-2 of 4 experts.
+_TINY_MOE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, use_cache=False, moe_intermediate_size=32,
+                 num_experts=4, num_experts_per_tok=2)  # fmt: skip
+
+
+def tiny_moe(family: str, dtype=torch.float32, attn: str = "sdpa", **kwargs):
+    """A 2-layer tiny Qwen3-MoE (head_dim 64, top-2 of 4 experts, renormalised) or Qwen2-MoE (head_dim 16,
+    shared expert and its sigmoid gate), random weights (seed 0), in ``dtype``; ``kwargs`` go to ``_from_config``."""
+    import transformers
+
+    torch.manual_seed(0)
+    if family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**_TINY_MOE, head_dim=64, norm_topk_prob=True)
+        cls = transformers.Qwen3MoeForCausalLM
+    else:
+        config = transformers.Qwen2MoeConfig(**_TINY_MOE, shared_expert_intermediate_size=64)
+        cls = transformers.Qwen2MoeForCausalLM
+    return cls._from_config(config, attn_implementation=attn, **kwargs).to(dtype)

@@ -64,6 +64,13 @@ log = logging.getLogger("qwen_npu_compile")
 #: The keyword argument that carries the host sequence ends from the base model to attention.
 SEQ_ENDS_KWARG = "qwen_npu_seq_ends"
 
+#: Passed (``True``) beside the ends when the base model builds its mask itself from the call's
+#: ``position_ids`` (no mask mapping accepted: Qwen3-MoE / Qwen2-MoE of transformers 5.24). ``flash_attention_2``
+#: then gets no mask (transformers builds none without padding); ``sdpa`` gets the ``[1, 1, T, T]`` packed
+#: causal mask of those same position ids (no padding mask, no cache: the pre-hook checked), which varlen
+#: attention replaces exactly; only its construction, outside the layers, stays ``T x T``.
+MASK_BUILT_KWARG = "qwen_npu_mask_from_positions"
+
 
 #: Attention implementations whose packed path is taken over, with the rule their packing follows.
 RULES = {"sdpa": "restart", "flash_attention_2": "zero"}
@@ -241,7 +248,10 @@ def _packed_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
     _mark_unbacked(ends, 0)
     kwargs = dict(kwargs)
     kwargs[SEQ_ENDS_KWARG] = ends
-    kwargs["attention_mask"] = _mask_mapping(module.config)
+    if getattr(module, "_qwen_npu_mask_mapping", True):
+        kwargs["attention_mask"] = _mask_mapping(module.config)
+    else:
+        kwargs[MASK_BUILT_KWARG] = True
     return args, kwargs
 
 
@@ -259,7 +269,15 @@ def _base_model(model: nn.Module) -> nn.Module | None:
     return best
 
 
-def _check_base_model(base: nn.Module) -> None:
+def _takes_mask_mapping(base: nn.Module) -> bool:
+    """Whether the base model's ``forward`` accepts a per-layer-type mask mapping as ``attention_mask`` (and then
+    builds no mask), as the dense decoders of transformers 4.57.6-5.24 do (``isinstance(attention_mask, dict)``).
+    Qwen3-MoE and Qwen2-MoE of transformers 5.24 call ``create_causal_mask`` on it directly: see
+    :data:`MASK_BUILT_KWARG`.
+
+    Raises:
+        VarlenIntegrationError: ``forward`` takes no ``attention_mask`` or ``position_ids`` (names the versions).
+    """
     parameters = inspect.signature(type(base).forward).parameters
     missing = [name for name in ("attention_mask", "position_ids") if name not in parameters]
     if missing:
@@ -267,12 +285,11 @@ def _check_base_model(base: nn.Module) -> None:
             f"qwen_npu: {type(base).__name__}.forward has no {missing} ({_versions()}); the packed-sequence "
             "integration supports transformers 4.57.6-5.24 decoder models"
         )
-    source = inspect.getsource(type(base).forward) if hasattr(type(base), "forward") else ""
-    if "isinstance(causal_mask_mapping := attention_mask, dict)" not in source and "dict)" not in source:
-        raise VarlenIntegrationError(
-            f"qwen_npu: {type(base).__name__}.forward no longer takes a per-layer-type mask mapping "
-            f"({_versions()}); the packed-sequence integration cannot skip the T x T mask"
-        )
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return False
+    return "attention_mask, dict)" in source
 
 
 # --------------------------------------------------------------------------------------------------
@@ -308,6 +325,7 @@ def _flash_takeover(original, positional: tuple[str, ...]):
     def _flash_attention_forward(query_states, key_states, value_states, attention_mask, query_length, *args,
                                  **kwargs):
         ends = kwargs.pop(SEQ_ENDS_KWARG, None)
+        kwargs.pop(MASK_BUILT_KWARG, None)  # flash attention: transformers built no mask (no padding)
         if ends is None:
             return original(query_states, key_states, value_states, attention_mask, query_length, *args, **kwargs)
         bound = dict(zip(positional, args))
@@ -356,6 +374,8 @@ def _sdpa_takeover(original):
     @functools.wraps(original)
     def sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs):
         ends = kwargs.pop(SEQ_ENDS_KWARG, None)
+        if kwargs.pop(MASK_BUILT_KWARG, False):
+            attention_mask = None  # transformers' packed causal mask of the offsets' own position ids
         if ends is None:
             return original(module, query, key, value, attention_mask, *args, **kwargs)
         dropout = args[0] if args else kwargs.get("dropout", 0.0)
@@ -511,7 +531,12 @@ def install(model: nn.Module) -> list[str]:
     if implementation not in RULES:
         log.info("qwen_npu: attn_implementation %r: packed micro-batches keep transformers' path", implementation)
         return []
-    _check_base_model(base)
+    base._qwen_npu_mask_mapping = _takes_mask_mapping(base)
+    if not base._qwen_npu_mask_mapping:
+        log.info("qwen_npu: %s.forward builds its attention mask itself (no per-layer-type mapping, %s): %s",
+                 type(base).__name__, _versions(),
+                 "sdpa still builds the [1, 1, T, T] packed mask outside the layers; attention runs varlen"
+                 if implementation == "sdpa" else "flash attention builds none; attention runs varlen")
     installed = []
     if not getattr(base, "_qwen_npu_varlen_hook", None):
         base._qwen_npu_varlen_hook = base.register_forward_pre_hook(_packed_pre_hook, with_kwargs=True)

@@ -18,27 +18,11 @@ import pytest
 import torch
 import transformers
 
-from conftest import assert_parity
+from conftest import assert_parity, tiny_moe
 from qwen_npu_compile.npu_ops import grouped_matmul as gmm
 from qwen_npu_compile.patterns import expected_fusions
 
 LAYERS = 2
-_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64, use_cache=False, moe_intermediate_size=32,
-             num_experts=4, num_experts_per_tok=2)  # fmt: skip
-
-
-def tiny_moe(family: str, dtype=torch.float32, **kwargs):
-    """A 2-layer tiny Qwen3-MoE (head_dim 64, top-2 of 4 experts, renormalised) or Qwen2-MoE (head_dim 16,
-    shared expert and its sigmoid gate), random weights, in ``dtype``; ``kwargs`` go to ``_from_config``."""
-    torch.manual_seed(0)
-    if family == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(**_TINY, head_dim=64, norm_topk_prob=True)
-        cls = transformers.Qwen3MoeForCausalLM
-    else:
-        config = transformers.Qwen2MoeConfig(**_TINY, shared_expert_intermediate_size=64)
-        cls = transformers.Qwen2MoeForCausalLM
-    return cls._from_config(config, attn_implementation="sdpa", **kwargs).to(dtype)
 
 
 def _ids():

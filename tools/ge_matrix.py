@@ -10,9 +10,12 @@ counts, the GE op counts, every refusal with its reason and every conversion fai
 results as JSON with ``--json``. Exit status 1 when any run fails (a conversion failure, a missing
 fusion or parity), 0 otherwise.
 
-    python tools/ge_matrix.py [--quick] [--json FILE]
+    python tools/ge_matrix.py [--quick] [--json FILE] [--jobs N]
 
 ``--quick`` runs the 4 bf16/sdpa combinations and one padded run only (the stack matrix uses it on older stacks).
+``--jobs N`` runs N checks at once, each with ``cpu_count // N`` threads (tracing, AOTAutograd and the GE
+conversion are single-threaded Python, so 2 jobs on 2 cores take about half the time of 1); the lines are
+printed in the runs' order.
 
 The sequence length (80, or 24 in fp16) is a size no dimension of the model has: torchair's view optimisation
 (``_ge_concrete_graph/continguous.py``, ``optimize_view``) compares view dims and pins a dynamic
@@ -24,8 +27,10 @@ Known limitations).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import itertools
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -58,8 +63,9 @@ def combinations(quick: bool) -> list[tuple[str, ...]]:
         ("train", "bf16", "eager", "static", "left_padding")]
 
 
-def run_one(mode: str, dtype: str, attn: str, shape: str, padding: str, folder: Path) -> dict:
-    """One ``check`` run in its own process; returns its JSON result (or the error it printed)."""
+def run_one(mode: str, dtype: str, attn: str, shape: str, padding: str, folder: Path, threads: int | None = None) -> dict:
+    """One ``check`` run in its own process (``threads``: its torch/OpenMP threads, default torch's); returns its
+    JSON result (or the error it printed)."""
     out = folder / f"{mode}-{dtype}-{attn}-{shape}-{padding}.json"
     command = [sys.executable, "-m", "qwen_npu_compile.cli", "check", "qwen2.5-0.5b", "--layers", "2", "--seq-len", str(SEQ_LEN[dtype]),
                "--vocab-size", str(VOCAB_SIZE),
@@ -68,12 +74,17 @@ def run_one(mode: str, dtype: str, attn: str, shape: str, padding: str, folder: 
         command.append("--dynamic")
     if padding == "left_padding":
         command += ["--left-padding", str(PADDING)]
-    proc = subprocess.run(command, capture_output=True, text=True)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads)) if threads else None
+    began = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
+    seconds = time.perf_counter() - began
     if out.exists():
         result = json.loads(out.read_text())
         result["exit"] = proc.returncode
+        result["wall_seconds"] = round(seconds, 1)
         return result
-    return {"exit": proc.returncode, "verdict": "ERROR", "error": (proc.stderr or proc.stdout).strip()[-2000:]}
+    return {"exit": proc.returncode, "verdict": "ERROR", "error": (proc.stderr or proc.stdout).strip()[-2000:],
+            "wall_seconds": round(seconds, 1)}
 
 
 def describe(result: dict) -> list[str]:
@@ -98,19 +109,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ge_matrix", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the 4 bf16/sdpa combinations and one padded run only")
     parser.add_argument("--json", type=Path, default=None, help="write every run's result here")
+    parser.add_argument("--jobs", type=int, default=1, help="checks run at once (default 1)")
     args = parser.parse_args(argv)
     runs = combinations(args.quick)
+    jobs = max(1, min(args.jobs, len(runs)))
+    threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else None
     results = {}
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="qwen_npu_ge_matrix_") as tmp:
-        for index, combo in enumerate(runs, 1):
+    with tempfile.TemporaryDirectory(prefix="qwen_npu_ge_matrix_") as tmp, \
+            concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(run_one, *combo, Path(tmp), threads) for combo in runs]
+        for index, (combo, future) in enumerate(zip(runs, futures), 1):
             name = "-".join(combo)
-            began = time.perf_counter()
-            result = run_one(*combo, Path(tmp))
+            result = future.result()
             results[name] = result
             failures = len((result.get("ge") or {}).get("failures", []))
             print(f"[{index}/{len(runs)}] {name}: {result.get('verdict')} (GE failures {failures}, "
-                  f"{time.perf_counter() - began:.0f}s)", flush=True)
+                  f"{result['wall_seconds']:.0f}s)", flush=True)
             for line in describe(result):
                 print(line, flush=True)
     failed = [name for name, result in results.items() if result.get("exit") != 0 or result.get("verdict") != "PASS"]

@@ -40,7 +40,7 @@ print(f"verl_env_check: verl {verl.__version__}, torch {torch.__version__}, tran
       f"accelerate {accelerate.__version__}")' 2>&1 | grep '^verl_env_check' || { echo "verl_env_check: preflight import failed"; exit 1; }
 
 set +e
-(cd "$repo" && "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider tests/e2e/test_verl_hook.py tests/e2e/test_trainer.py)
+(cd "$repo" && "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider tests/e2e/test_verl_hook.py tests/e2e/test_trainer.py tests/e2e/test_verl_moe_patch.py)
 status=$?
 set -e
 echo "verl_env_check: tests took $(( $(date +%s) - installed ))s (pytest exit $status)"

@@ -7,9 +7,10 @@ the lifetime of the process.
 
 import torch
 
-from . import add_rms_norm, fusion_attention, grouped_matmul, rms_norm, rotary_mul, swiglu
+from . import add_rms_norm, fusion_attention, grouped_matmul, moe_token_permute, rms_norm, rotary_mul, swiglu
 
 LIBRARY = torch.library.Library("npu", "FRAGMENT")
 
-for _module in (rms_norm, add_rms_norm, swiglu, rotary_mul, fusion_attention, grouped_matmul):
+# moe_token_permute: not emitted by this project, called by verl's npu_patch MoE block (issue 20)
+for _module in (rms_norm, add_rms_norm, swiglu, rotary_mul, fusion_attention, grouped_matmul, moe_token_permute):
     _module.register(LIBRARY)

@@ -45,8 +45,12 @@ the attention family counts it as a fusion of the variant ``varlen_packed_offset
 
 What this relies on is checked at :func:`install` (a changed transformers or verl fails loudly there,
 naming the version): the ``_flash_attention_forward`` name and parameters, ``ALL_ATTENTION_FUNCTIONS``,
-the base model's ``forward`` taking ``attention_mask`` / ``position_ids`` and indexing a mask mapping by
-``config.layer_types`` (transformers 4.57.6-5.24: ``if not isinstance(attention_mask, dict)``).
+the base model's ``forward`` taking ``attention_mask`` / ``position_ids``. Whether it also takes a mask mapping
+indexed by ``config.layer_types`` (the dense decoders of transformers 4.57.6-5.24: ``if not
+isinstance(attention_mask, dict)``) decides step 1's ``attention_mask``; a base model that does not (the MoE
+models of 5.24) keeps building its own mask from the same position ids, which the takeovers then ignore
+(:data:`MASK_BUILT_KWARG`). With Ulysses sp > 1 the layers trace with Dynamo's nested graph breaks
+(:func:`ulysses_tracing`).
 """
 
 from __future__ import annotations
@@ -500,6 +504,20 @@ def _ulysses_dispatch(ulysses_forward):
 
     _flash_attention_forward._qwen_npu_original = ulysses_forward
     return _flash_attention_forward
+
+
+def ulysses_tracing(kwargs: dict):
+    """The context a decoder layer's compiled call runs in: with Ulysses sp > 1 and the offsets passed, Dynamo's
+    ``nested_graph_breaks`` (torch 2.9-2.13), so that the break at verl's wrapper (:func:`_ulysses_dispatch`)
+    splits only the layer's own frame, into the graph before attention (norm, projections, rotary) and the
+    graph after it (output projection, residuals, norm, MLP), instead of bubbling up and splitting every frame
+    on the way (verl 0.9.1's engine, sp = 2, 2 layers: 17 graphs without, 7 with: 2 per layer per shape
+    family, losses equal the unset run). Otherwise (and on a torch without the option) nothing."""
+    import contextlib
+
+    if SEQ_ENDS_KWARG not in kwargs or _ulysses_group()[1] == 1 or not hasattr(torch._dynamo.config, "nested_graph_breaks"):
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(nested_graph_breaks=True)
 
 
 def _install_sdpa_takeover() -> str:

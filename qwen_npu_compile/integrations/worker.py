@@ -39,6 +39,7 @@ it ran; a layer that ran without one (Dynamo fell back to eager) is logged once.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -448,11 +449,14 @@ class _CompiledLayerCall:
         if not self._checked:
             self._check()
         layer, calls = self.layer, self.record.calls
+        tracing = contextlib.nullcontext()
         if "qwen_npu_seq_ends" in kwargs:  # a packed micro-batch (integrations/varlen.py): one graph for every T
-            from .varlen import mark_tokens_dynamic
+            from .varlen import mark_tokens_dynamic, ulysses_tracing
 
             mark_tokens_dynamic(args, kwargs)
+            tracing = ulysses_tracing(kwargs)  # sp > 1: the layer splits once, around verl's all-to-all
         token = _RUNNING_LAYER.set(self.record)
+        tracing.__enter__()
         try:
             if _passes_cache(kwargs):
                 calls["eager"] += 1
@@ -479,6 +483,7 @@ class _CompiledLayerCall:
                 calls["compiled"] += 1
                 out = self.compiled(*args, **kwargs)
         finally:
+            tracing.__exit__(None, None, None)
             _RUNNING_LAYER.reset(token)
         if not self.record.reports and not self._warned_eager:
             self._warned_eager = True

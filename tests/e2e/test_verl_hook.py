@@ -555,15 +555,22 @@ def test_verl_default_path_runs_varlen_in_one_graph_per_layer(default_path_runs,
 @needs_verl
 def test_verl_ulysses_sp2_matches_the_unset_run(default_path_runs):
     """Ulysses sp=2 on 2 gloo ranks: verl's all-to-all around attention keeps working (global offsets), the
-    layers fuse rms_norm/swiglu/rotary and run the varlen attention between the all-to-alls, parity."""
+    varlen attention runs between the all-to-alls outside the graph (integrations/varlen.py _ulysses_dispatch),
+    and with Dynamo's nested graph breaks each layer splits exactly once around it: the graph before attention
+    (rms_norm 1, rotary 2) and the graph after (rms_norm 1, swiglu 1), at most 2 of each per layer call site
+    over all packings, none after the first step; parity with the unset run."""
     off, on = default_path_runs["sp2_off"]["fa2_packed_sp2"], default_path_runs["sp2_on"]["fa2_packed_sp2"]
     assert "error" not in off and "error" not in on, (off.get("error"), on.get("traceback"))
     assert on["compiled_layers"] == ["model.layers.0", "model.layers.1"]
-    for layer in on["layers"].values():
-        assert layer["calls"]["eager"] == 0
-        totals = {family: sum(f[family] for f in layer["fusions"]) / max(1, len(layer["fusions"]) // 1)
-                  for family in ("rms_norm", "swiglu", "rotary")}
-        assert all(totals[family] > 0 for family in totals), layer["fusions"]
+    zero = {family: 0 for family in PER_LAYER}
+    before, after = {**zero, "rms_norm": 1, "rotary": 2}, {**zero, "rms_norm": 1, "swiglu": 1}
+    for name, layer in on["layers"].items():
+        assert layer["calls"]["eager"] == 0, layer["calls"]
+        assert before in layer["fusions"] and after in layer["fusions"], (name, layer["fusions"])
+        assert all(fusions in (before, after) for fusions in layer["fusions"]), (name, layer["fusions"])
+    # both halves x (first shape, dynamic) x (forward, checkpoint recomputation): <= 8 (measured: 7); 17 before
+    assert on["graphs"] <= 8, on["graphs"]
+    assert on["graphs_after_step"][-1] == on["graphs_after_step"][0], on["graphs_after_step"]
     assert_matches(on, off, "fp32", steps=ULYSSES_SCENARIOS["fa2_packed_sp2"]["steps"])
 
 

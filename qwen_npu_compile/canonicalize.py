@@ -79,6 +79,7 @@ def to_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) ->
         CanonicalizationError: the graph cannot be retraced, or not faithfully (any error of the
             trace is wrapped in it; Dynamo's ``RestartAnalysis`` passes through untouched).
     """
+    refuse_custom_autograd_functions(gm)
     fake_mode = _fake_mode_for(example_inputs)
     fake_args = _fake_inputs(example_inputs, fake_mode)
     regions = [expand_vmap_region(gm, region) for region in find_vmap_regions(gm.graph)]
@@ -121,6 +122,30 @@ def to_aten_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) ->
     remove_noop_slices(aten_gm.graph)
     normalize(aten_gm)
     return aten_gm
+
+
+def refuse_custom_autograd_functions(gm: torch.fx.GraphModule) -> None:
+    """Refuse a graph that applies a custom ``torch.autograd.Function`` (Dynamo's ``autograd_function_apply``
+    HOP, e.g. verl's ``NPUGmmFunction`` in its ``npu_patch`` MoE block): the pre-dispatch retrace keeps only
+    its forward, under ``no_grad``, and drops its backward, so the parameters it reads got no gradient at
+    all (silently; found with verl 0.9.1's patched Qwen3-MoE). Unfused, AOTAutograd traces the function's
+    own backward and the gradients are right.
+
+    Raises:
+        CanonicalizationError: naming the function's model source line.
+    """
+    hop = getattr(torch.ops.higher_order, "autograd_function_apply", None)
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if node.op == "call_function" and hop is not None and node.target is hop:
+                from .fusion import node_source
+
+                raise CanonicalizationError(
+                    f"the graph applies a custom torch.autograd.Function at {node_source(node)}: the pre-dispatch "
+                    "retrace would drop its backward (no gradient for what it reads); compiling unfused keeps it"
+                )
 
 
 class CanonicalizationError(RuntimeError):

@@ -80,3 +80,52 @@ def test_graph_that_cannot_be_retraced_runs_unfused_with_a_warning(npu_ops, capl
     torch._dynamo.reset()
     with pytest.raises(Exception, match="strict mode.*compiled unfused"):
         torch.compile(module, backend="qwen_npu", options={"strict": True})(x)
+
+
+class _ScaledMatmul(torch.autograd.Function):
+    """A custom autograd.Function (as verl's NPUGmmFunction is) with its own backward."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad @ w.t(), x.transpose(-1, -2) @ grad
+
+
+class _NormThenCustom(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = Qwen2RMSNorm(16)
+        self.w = torch.nn.Parameter(torch.randn(16, 8))
+
+    def forward(self, x):
+        return _ScaledMatmul.apply(self.norm(x), self.w)
+
+
+@pytest.mark.stack_compat
+def test_custom_autograd_function_compiles_unfused_with_its_gradients(npu_ops, caplog):
+    """The pre-dispatch retrace keeps a custom autograd.Function's forward only: fused, the parameters it reads
+    got no gradient (verl 0.9.1's npu_patch MoE block). The graph compiles unfused instead, with one warning
+    naming the source line, and every gradient equals eager's; strict raises naming the stage."""
+    torch.manual_seed(0)
+    module, x = _NormThenCustom(), torch.randn(2, 4, 16)
+    module(x).sum().backward()
+    expected = {name: p.grad.clone() for name, p in module.named_parameters()}
+    module.zero_grad(set_to_none=True)
+    with caplog.at_level(logging.WARNING, logger="qwen_npu_compile"):
+        out = torch.compile(module, backend="qwen_npu", options=CORE)(x)
+    out.sum().backward()
+    for name, p in module.named_parameters():
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, expected[name])
+    report = _only_report()
+    assert report.fallback_stage == "canonicalize" and "custom torch.autograd.Function at test_negative.py" in report.fallback
+    assert report.fusions == {"rms_norm": 0, "swiglu": 0}
+    assert sum("custom torch.autograd.Function" in r.getMessage() for r in caplog.records) == 1
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"FusionError: qwen_npu strict mode: \S+ compiled unfused \(canonicalize"):
+        torch.compile(module, backend="qwen_npu", options={**CORE, "strict": True})(x)

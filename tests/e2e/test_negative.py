@@ -106,7 +106,6 @@ class _NormThenCustom(torch.nn.Module):
         return _ScaledMatmul.apply(self.norm(x), self.w)
 
 
-@pytest.mark.stack_compat
 def test_custom_autograd_function_compiles_unfused_with_its_gradients(npu_ops, caplog):
     """The pre-dispatch retrace keeps a custom autograd.Function's forward only: fused, the parameters it reads
     got no gradient (verl 0.9.1's npu_patch MoE block). The graph compiles unfused instead, with one warning

@@ -122,3 +122,32 @@ def tiny_moe(family: str, dtype=torch.float32, attn: str = "sdpa", **kwargs):
         config = transformers.Qwen2MoeConfig(**_TINY_MOE, shared_expert_intermediate_size=64)
         cls = transformers.Qwen2MoeForCausalLM
     return cls._from_config(config, attn_implementation=attn, **kwargs).to(dtype)
+
+
+def torchair_wheel_sources():
+    """The torch_npu wheel's sources for this torch (``torchair_offline.wheel.obtain_sources``), or skip the test."""
+    from qwen_npu_compile.torchair_offline import wheel
+
+    try:
+        return wheel.obtain_sources(torch.__version__)
+    except wheel.TorchairUnavailableError as exc:
+        pytest.skip(f"no torch_npu wheel: {exc}")
+
+
+def run_ge_script(script: str, tmp_path, test_dir: str) -> list:
+    """Run ``script`` (``python -c``; argv: the dump folder, ``tests/<test_dir>``, ``tests``) in a fresh interpreter,
+    as importing torchair patches torch for the whole process; skipped without the torch_npu wheel. Returns the
+    JSON list the script printed on its last line."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torchair_wheel_sources()
+    tests = Path(__file__).resolve().parent
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path), str(tests / test_dir), str(tests)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests.parent), os.environ.get("PYTHONPATH", "")])))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -24,19 +24,15 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.machinery
-import json
-import os
-import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("verl")
 
-from conftest import assert_runs_match, tiny_moe  # noqa: E402
+from conftest import assert_runs_match, run_ge_script, tiny_moe  # noqa: E402
 from qwen_npu_compile.check.harness import fp32_reference, run_model  # noqa: E402
 
 NPU_PATCH = "verl.models.transformers.npu_patch"
@@ -205,18 +201,7 @@ def test_torchair_conversion_records_each_unconvertible_op(tmp_path):
     skipped without it): no crash, verl's grouped matmuls convert (GroupedMatmul, forward and NPUGmmFunction's
     backward), and every op torchair has no converter for is a recorded failure with its reason (on an NPU the
     hand-off then runs that graph eagerly, README "Bad inputs")."""
-    from qwen_npu_compile.torchair_offline import wheel
-
-    try:
-        wheel.obtain_sources(torch.__version__)
-    except wheel.TorchairUnavailableError as exc:
-        pytest.skip(f"no torch_npu wheel: {exc}")
-    tests = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-c", GE_SCRIPT, str(tmp_path), str(tests / "e2e"), str(tests)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests.parent), os.environ.get("PYTHONPATH", "")])))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (ge,) = json.loads(done.stdout.strip().splitlines()[-1])
+    (ge,) = run_ge_script(GE_SCRIPT, tmp_path, "e2e")
     assert (ge["fusions"], ge["downstream"]) == (NOTHING, "torchair")
     kinds = {g["name"]: g["kind"] for g in ge["graphs"]}
     failures = [(f["op"], kinds[f["graph"]], f["error"]) for f in ge["failures"]]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import aot_traced, call_targets
+from conftest import aot_traced, call_targets, torchair_wheel_sources
 from qwen_npu_compile.npu_ops import grouped_matmul as gmm
 
 npu = torch.ops.npu
@@ -107,12 +107,7 @@ def test_limits_name_what_to_change(npu_ops):
 
 @pytest.fixture(scope="module")
 def sources():
-    from qwen_npu_compile.torchair_offline import wheel
-
-    try:
-        return wheel.obtain_sources(torch.__version__)
-    except wheel.TorchairUnavailableError as exc:
-        pytest.skip(f"no torch_npu wheel: {exc}")
+    return torchair_wheel_sources()
 
 
 def test_stand_in_schema_and_meta_equal_the_wheels(simulated_npu_ops, sources):

@@ -7,18 +7,13 @@ near miss, so ``strict`` passes); parity with eager, forward and backward.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
-from conftest import assert_parity, tiny_moe
+from conftest import assert_parity, run_ge_script, tiny_moe
 from qwen_npu_compile.npu_ops import grouped_matmul as gmm
 from qwen_npu_compile.patterns import expected_fusions
 
@@ -110,18 +105,7 @@ def test_training_graphs_convert_for_ge_off_npu(simulated_npu_ops, tmp_path):
     """Forward and backward GE graphs of a tiny Qwen3-MoE bf16 training step, off-NPU (torchair from the
     torch_npu wheel; skipped without it): 0 failures; GroupedMatmul per fused grouped matmul (backward: dx
     and dW), the routing as SearchSorted / ScatterElements / GatherV2 (no histc, no index_put)."""
-    from qwen_npu_compile.torchair_offline import wheel
-
-    try:
-        wheel.obtain_sources(torch.__version__)
-    except wheel.TorchairUnavailableError as exc:
-        pytest.skip(f"no torch_npu wheel: {exc}")
-    tests = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-c", GE_SCRIPT, str(tmp_path), str(tests / "patterns"), str(tests)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests.parent), os.environ.get("PYTHONPATH", "")])))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (ge,) = json.loads(done.stdout.strip().splitlines()[-1])
+    (ge,) = run_ge_script(GE_SCRIPT, tmp_path, "patterns")
     assert ge["fusions"]["moe"] == 2 * LAYERS
     assert ge["failures"] == []
     forward, backward = ({g["kind"]: g["ops"] for g in ge["graphs"]}[kind] for kind in ("forward", "backward"))

@@ -7,8 +7,9 @@
 # 2. installs torch 2.13.0 (CPU), transformers 5.10.4 (inside verl 0.9.1's pin >=5.5.3,!=5.6.0,<5.11),
 #    verl 0.9.1 with all its dependencies (accelerate, ray, peft, tensordict, ... as verl declares them),
 #    pytest, and this project (--no-deps, editable: the qwen_npu backend is registered by entry point);
-# 3. runs tests/e2e/test_verl_hook.py (its `-m verl` part drives verl's own FSDP engine on the CPU) and
-#    tests/e2e/test_trainer.py (accelerate comes with verl);
+# 3. runs tests/e2e/test_verl_hook.py (its `-m verl` part drives verl's own FSDP engine on the CPU),
+#    tests/e2e/test_trainer.py (accelerate comes with verl) and tests/e2e/test_verl_moe_patch.py (verl's real
+#    npu_patch Qwen3-MoE block compiled with qwen_npu);
 # 4. prints how long the install and the tests took.
 #
 # Environment: PYTHON (default python3.11, else python3), VERL_ENV_KEEP=1 keeps the venv and prints its path.

@@ -24,5 +24,5 @@ __all__ = [
 __version__ = "0.1.0"
 
 # Before Dynamo traces any frame for this backend (a compile-start callback): transformers 5.10.4's MoE
-# experts log while traced (compat.ignore_transformers_version_probe_logging).
+# experts probe the torch version while traced (compat.transformers_version_probes_constant).
 compat.install_tracing_fixes()

@@ -32,9 +32,9 @@ What differs, and how it is absorbed:
   bodies torch's own default policy (recompute everything) for the duration of a retrace.
 * One transformers difference that Dynamo trips on: transformers 5.10.4's MoE experts
   (``integrations/moe.py`` ``_can_use_grouped_mm``) call ``is_torch_less_or_equal`` while traced, which
-  reaches ``import_utils.logger.debug``: a graph break per MoE block (Qwen3-MoE: 21 graphs for 2 layers,
-  experts unfused). torch >= 2.7 can ignore one logger's method while tracing
-  (``torch._dynamo.config.ignore_logger_methods``): :func:`ignore_transformers_version_probe_logging`.
+  reaches ``importlib.util.find_spec`` (torch 2.11) or ``import_utils.logger.debug`` (2.13): a graph break per
+  MoE block (Qwen3-MoE: 21 graphs for 2 layers, experts unfused). The probes are marked constant for Dynamo
+  (``assume_constant_result``'s marker): :func:`transformers_version_probes_constant`.
 * AOTAutograd's ``default_partition`` asserts on 2.9.0 on the scalar-tensorification nodes that lack
   ``tensor_meta`` (dynamic shapes, training); 2.13.0 accepts them: :func:`default_partition`.
 """
@@ -66,7 +66,7 @@ __all__ = [
     "functorch_depth",
     "functorch_levels_restored",
     "guard_or_false",
-    "ignore_transformers_version_probe_logging",
+    "transformers_version_probes_constant",
     "install_tracing_fixes",
     "register_replacement",
     "saved_tensors_hooks_disabled",
@@ -79,42 +79,53 @@ __all__ = [
 # transformers code Dynamo traces
 
 
-def ignore_transformers_version_probe_logging() -> bool:
-    """Let Dynamo skip ``transformers.utils.import_utils.logger.debug`` (a package-version probe's debug line)
-    instead of breaking the graph on it: transformers 5.10.4's grouped-mm MoE experts probe the torch version
-    while traced. Only that logger's ``debug`` is ignored (while tracing only: eager calls still log).
+def transformers_version_probes_constant() -> bool:
+    """Mark transformers' torch-version probes (``import_utils.is_torch_less_or_equal`` /
+    ``is_torch_greater_or_equal``, ``lru_cache``-wrapped) as constant for Dynamo
+    (``torch.compiler.assume_constant_result``'s marker on the wrapped function, which Dynamo traces): it then
+    calls them while tracing and keeps the result, instead of tracing into ``importlib.util.find_spec`` and
+    ``logger.debug``, which break the graph. transformers 5.10.4's grouped-mm MoE experts
+    (``integrations/moe.py`` ``_can_use_grouped_mm``) probe the version while traced: a graph break per MoE
+    block (torch 2.11: ``find_spec``; 2.13: ``logger.debug``). A version comparison is constant in a process;
+    eager calls are unchanged.
 
     Run at package import, by ``maybe_compile`` and at the start of Dynamo frame compiles
-    (:func:`install_tracing_fixes`; ``torch._dynamo.reset()`` clears that callback, not the ignore set), so a
-    transformers imported after this package is covered too; a no-op when transformers is not imported or
-    torch has no ``ignore_logger_methods``. Returns whether the method is in Dynamo's ignore set.
+    (:func:`install_tracing_fixes`; ``torch._dynamo.reset()`` clears that callback, not the marks), so a
+    transformers imported after this package is covered too; a no-op when transformers is not imported.
+    Returns whether a probe is marked.
     """
     import sys
 
-    logger = getattr(sys.modules.get("transformers.utils.import_utils"), "logger", None)
-    ignored = getattr(torch._dynamo.config, "ignore_logger_methods", None)
-    if not isinstance(logger, logging.Logger) or not isinstance(ignored, set):
-        return False
-    ignored.add(logger.debug)
-    return True
+    module = sys.modules.get("transformers.utils.import_utils")
+    marked = False
+    for name in ("is_torch_less_or_equal", "is_torch_greater_or_equal"):
+        probe = getattr(module, name, None)
+        for target in (probe, getattr(probe, "__wrapped__", None)):
+            if callable(target):
+                try:
+                    target._dynamo_marked_constant = True
+                    marked = True
+                except (AttributeError, TypeError):  # a builtin without __dict__
+                    pass
+    return marked
 
 
 _TRACING_FIXES_INSTALLED = False
 
 
 def install_tracing_fixes() -> None:
-    """Register :func:`ignore_transformers_version_probe_logging` as a Dynamo compile-start callback (before a
+    """Register :func:`transformers_version_probes_constant` as a Dynamo compile-start callback (before a
     frame is traced: the backend itself only sees the finished graph); once per process. torch 2.7-2.13 have
     ``torch._dynamo.callback_handler.register_start_callback``; where missing it runs once, now."""
     global _TRACING_FIXES_INSTALLED
     if _TRACING_FIXES_INSTALLED:
         return
     _TRACING_FIXES_INSTALLED = True
-    ignore_transformers_version_probe_logging()
+    transformers_version_probes_constant()
     handler = getattr(torch._dynamo, "callback_handler", None)
     register = getattr(handler, "register_start_callback", None)
     if register is not None:
-        register(lambda *args: ignore_transformers_version_probe_logging() and None)
+        register(lambda *args: transformers_version_probes_constant() and None)
 
 
 # --------------------------------------------------------------------------------------------------

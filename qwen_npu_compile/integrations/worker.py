@@ -532,7 +532,7 @@ def maybe_compile(
         log.debug("qwen_npu: %s is not set to 1; model left uncompiled", ENV_COMPILE)
         return CompiledLayers()
     config = QwenNpuConfig.from_options(options)  # validate now, not at the first forward
-    compat.ignore_transformers_version_probe_logging()  # transformers is imported by now (the model is built)
+    compat.transformers_version_probes_constant()  # transformers is imported by now (the model is built)
     flat = _fsdp1_without_orig_params(model)
     if flat:
         raise ValueError(_fsdp1_message(f"the model (FSDP1 unit(s) {flat[:3]}{'...' if len(flat) > 3 else ''})"))

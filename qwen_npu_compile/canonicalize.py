@@ -135,17 +135,18 @@ def refuse_custom_autograd_functions(gm: torch.fx.GraphModule) -> None:
         CanonicalizationError: naming the function's model source line.
     """
     hop = getattr(torch.ops.higher_order, "autograd_function_apply", None)
+    if hop is None:
+        return
     for module in gm.modules():
         if not isinstance(module, torch.fx.GraphModule):
             continue
-        for node in module.graph.nodes:
-            if node.op == "call_function" and hop is not None and node.target is hop:
-                from .fusion import node_source
+        for node in module.graph.find_nodes(op="call_function", target=hop):
+            from .fusion import node_source
 
-                raise CanonicalizationError(
-                    f"the graph applies a custom torch.autograd.Function at {node_source(node)}: the pre-dispatch "
-                    "retrace would drop its backward (no gradient for what it reads); compiling unfused keeps it"
-                )
+            raise CanonicalizationError(
+                f"the graph applies a custom torch.autograd.Function at {node_source(node)}: the pre-dispatch "
+                "retrace would drop its backward (no gradient for what it reads); compiling unfused keeps it"
+            )
 
 
 class CanonicalizationError(RuntimeError):

@@ -62,8 +62,11 @@ static, D % 64 == 0 and the broadcast dims multiply to <= 1024 (all limits:
 :func:`~qwen_npu_compile.npu_ops.rotary_mul.rotary_mul_violation`). When cos/sin need no grad and the
 graph shows sin built from ``cat((freqs, freqs), -1)`` (:func:`has_equal_halves`, true for HF's
 ``Qwen2RotaryEmbedding``), the rewrite emits ``qwen_npu.rotary_mul_orthogonal`` instead, whose backward
-is ``npu_rotary_mul(grad, cos, -sin)`` (RotaryMul, none of those limits); otherwise it emits
-``npu_rotary_mul`` if the backward converter's limits hold and refuses with the converter's reason if not.
+is ``npu_rotary_mul(grad, cos, -sin)`` (RotaryMul, none of those limits). Otherwise it emits
+``npu_rotary_mul`` if the backward converter's limits hold; if they do not and cos/sin need no grad (a
+per-layer graph under ``maybe_compile``, where cos/sin are graph inputs and verl's token count is
+dynamic), it emits ``qwen_npu.rotary_mul_aten_backward`` (the fused forward, HF's backward in ATen ops,
+which GE converts); cos/sin that need grad are refused with the converter's reason.
 Other downstreams and inference graphs always get ``npu_rotary_mul``.
 """
 
@@ -84,15 +87,23 @@ from qwen_npu_compile.fusion import (
     meta_val,
     region_operands,
 )
-from qwen_npu_compile.npu_ops import rotary_mul_orthogonal
+from qwen_npu_compile.npu_ops import rotary_mul_aten_backward, rotary_mul_orthogonal
 from qwen_npu_compile.npu_ops.rotary_mul import rotary_mul_violation
 
 aten = torch.ops.aten
 
-#: Set by a variant's check when it accepts a match, read by its replacement, which Inductor traces
-#: right after the check accepts (``register_replacement``'s ``check_fn``): True = emit
-#: :mod:`~qwen_npu_compile.npu_ops.rotary_mul_orthogonal` instead of ``npu_rotary_mul``.
-_EMIT_ORTHOGONAL: contextvars.ContextVar[bool] = contextvars.ContextVar("qwen_npu_rotary_orthogonal", default=False)
+#: The op the replacement emits: ``npu_rotary_mul``, or the form a torchair training graph needs
+#: (:mod:`~qwen_npu_compile.npu_ops.rotary_mul_orthogonal`,
+#: :mod:`~qwen_npu_compile.npu_ops.rotary_mul_aten_backward`). Set by a variant's check when it accepts a
+#: match, read by its replacement, which Inductor traces right after the check accepts
+#: (``register_replacement``'s ``check_fn``).
+_EMIT: contextvars.ContextVar[str] = contextvars.ContextVar("qwen_npu_rotary_emit", default="npu_rotary_mul")
+#: What each :data:`_EMIT` value calls, ``(x, r1, r2) -> out``.
+_EMITTERS = {
+    "npu_rotary_mul": lambda x, r1, r2: torch.ops.npu.npu_rotary_mul.default(x, r1, r2, "half"),
+    "orthogonal": lambda x, r1, r2: rotary_mul_orthogonal.OP(x, r1, r2),
+    "aten_backward": lambda x, r1, r2: rotary_mul_aten_backward.OP(x, r1, r2),
+}
 
 #: Ops between HF's ``cat((freqs, freqs), -1)`` and the sin the rotary reads that keep "both halves of the
 #: last dim are equal" (elementwise maps, casts, copies); views are handled in :func:`has_equal_halves`.
@@ -128,10 +139,8 @@ def _bsnd_r(r_b1sd):
 
 
 def _rotary(x, r1, r2):
-    """The fused call: ``npu_rotary_mul``, or its orthogonal form when the check proved it valid."""
-    if _EMIT_ORTHOGONAL.get():
-        return rotary_mul_orthogonal.OP(x, r1, r2)
-    return torch.ops.npu.npu_rotary_mul.default(x, r1, r2, "half")
+    """The fused call: ``npu_rotary_mul``, or the torchair training form the check chose (:data:`_EMIT`)."""
+    return _EMITTERS[_EMIT.get()](x, r1, r2)
 
 
 def _promoted(*tensors):
@@ -251,9 +260,11 @@ def _requires_grad(node) -> bool:
 
 def _check_fused(x, r1, r2, layout: str, x_node, cos_node, sin_node) -> str | None:
     """The check of both variants: the op's limits for the kernel, plus, when a backward will run and
-    the downstream is torchair, either the orthogonal form (sin with equal halves, cos/sin without
-    grad: :mod:`~qwen_npu_compile.npu_ops.rotary_mul_orthogonal`) or ``npu_rotary_mul_backward``'s GE
-    converter limits. Sets :data:`_EMIT_ORTHOGONAL` for the replacement when it accepts."""
+    the downstream is torchair, the form GE converts: the orthogonal form (sin with equal halves, cos/sin
+    without grad: :mod:`~qwen_npu_compile.npu_ops.rotary_mul_orthogonal`), else ``npu_rotary_mul`` when its
+    backward converter's limits hold, else (cos/sin without grad) the ATen backward
+    (:mod:`~qwen_npu_compile.npu_ops.rotary_mul_aten_backward`); cos/sin that need grad and break the
+    converter's limits are refused with its reason. Sets :data:`_EMIT` for the replacement when it accepts."""
     r_grad = _requires_grad(cos_node) or _requires_grad(sin_node)
     reason = check_rotary(x, r1, r2, layout, r_grad)
     if reason is not None:
@@ -263,17 +274,19 @@ def _check_fused(x, r1, r2, layout: str, x_node, cos_node, sin_node) -> str | No
     # x's own tensor_meta is not enough: an earlier family's replacement (Qwen3's q_norm/k_norm fused into
     # npu_rms_norm) records requires_grad=False; any graph that may be differentiated counts as training
     backward = r_grad or _requires_grad(x_node) or graph_needs_autograd(x_node.graph)
-    orthogonal = False
+    emit = "npu_rotary_mul"
     if backward and downstream == "torchair":
         if not r_grad and has_equal_halves(sin_node):
-            orthogonal = True
+            emit = "orthogonal"
         else:
             reason = rotary_mul_violation(x, r1, r2, layout=layout, r_requires_grad=r_grad, backward=True,
                                           downstream=downstream)
+            if reason is not None and r_grad:
+                return (f"{reason}; neither the orthogonal backward (npu_rotary_mul with -sin) nor the ATen "
+                        "backward applies: cos/sin need grad")
             if reason is not None:
-                why = "cos/sin need grad" if r_grad else "sin's equal halves (cat(f, f)) are not visible in the graph"
-                return f"{reason}; the orthogonal backward (npu_rotary_mul with -sin) does not apply: {why}"
-    _EMIT_ORTHOGONAL.set(orthogonal)
+                emit = "aten_backward"
+    _EMIT.set(emit)
     return None
 
 

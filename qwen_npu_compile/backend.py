@@ -24,7 +24,7 @@ import torch.fx
 
 from . import canonicalize, dump, emit
 from .config import QwenNpuConfig
-from .fuse import FusionPasses, fuse
+from .fuse import FusionPasses, count_fused_in_captured, fuse
 from .fusion import CompileTarget
 from .handoff import check_offline_mode, hand_off
 from .npu_ops import NpuOpsStatus, ensure_npu_ops
@@ -159,8 +159,14 @@ def compile_unfused(report: GraphReport, gm: torch.fx.GraphModule, stage: str, r
     report.fallback = reason
     report.fallback_stage = stage
     report.fusions = dict.fromkeys(report.families, 0)
-    # what a failed pass half-counted describes a graph that is not compiled
-    report.variants, report.anchors, report.already_fused, report.refused = {}, {}, {}, []
+    # what a failed pass half-counted describes a graph that is not compiled; the fused ops the captured
+    # graph already held (a monkey-patched model) still run, and are counted
+    report.variants, report.anchors, report.refused = {}, {}, []
+    try:
+        report.already_fused = count_fused_in_captured(gm, report.families)
+    except Exception as exc:  # noqa: BLE001 - a count must never stop the fallback
+        report.already_fused = {}
+        log.debug("qwen_npu %s: already-fused ops not counted (%s: %s)", report.name, type(exc).__name__, exc)
     log.warning("qwen_npu %s: fusion skipped (%s stage), compiling the graph unfused: %s", report.name, stage, reason)
     return report, gm
 

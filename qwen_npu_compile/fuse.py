@@ -130,3 +130,48 @@ def fuse(aten_gm: torch.fx.GraphModule, config: QwenNpuConfig, *, target: Compil
         ValueError: a family declares two variants with one name (a bug in ``patterns/``).
     """
     return FusionPasses.from_config(config).run(aten_gm, target=target)
+
+
+def count_fused_in_captured(gm: torch.fx.GraphModule, families: list[str]) -> dict[str, int]:
+    """Per family of ``families``, the fused npu ops a *captured* (Dynamo) graph already holds, for a graph
+    that compiles unfused (``backend.compile_unfused``), so that a monkey-patched model's fused ops are
+    reported as already fused there too (verl's ``npu_patch`` MoE block, whose custom autograd.Function
+    makes the graph fall back: ``canonicalize.refuse_custom_autograd_functions``).
+
+    Dynamo's graph may name an op as an ``OpOverload``, an ``OpOverloadPacket`` (``torch.ops.npu.x``) or a
+    torch_npu function; all are matched by op name against the family's
+    :attr:`~qwen_npu_compile.fusion.FusionFamily.fused_op_names`. The graph's submodules are counted
+    (activation-checkpoint bodies, ``autograd_function_apply``'s forward body) except the backward bodies of
+    ``autograd_function_apply``, whose ops belong to the backward (``npu_grouped_matmul`` for dx and dW).
+
+    Returns:
+        ``{family: count}`` for each family (0 where it holds none).
+    """
+    from .patterns import get_family_pass
+
+    hop = getattr(torch.ops.higher_order, "autograd_function_apply", None)
+    backward_bodies = set()
+    for module in gm.modules():
+        if isinstance(module, torch.fx.GraphModule) and hop is not None:
+            for node in module.graph.find_nodes(op="call_function", target=hop):
+                body = node.args[1] if len(node.args) > 1 else None
+                if isinstance(body, torch.fx.Node) and body.op == "get_attr":
+                    backward_bodies.add(id(getattr(module, body.target, None)))
+    names: Counter[str] = Counter()
+    for module in gm.modules():
+        if isinstance(module, torch.fx.GraphModule) and id(module) not in backward_bodies:
+            names.update(name for node in module.graph.nodes if node.op == "call_function"
+                         and (name := _npu_op_name(node.target)) is not None)
+    return {family: sum(names[op] for op in get_family_pass(family).family.fused_op_names) for family in families}
+
+
+def _npu_op_name(target) -> str | None:
+    """``"npu_rms_norm"`` for ``torch.ops.npu.npu_rms_norm(.default)`` or a torch_npu function of that name."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1] if target.namespace == "npu" else None
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        namespace, _, name = target._qualified_op_name.partition("::")
+        return name if namespace == "npu" else None
+    if str(getattr(target, "__module__", None) or "").startswith("torch_npu"):
+        return getattr(target, "__name__", None)
+    return None

@@ -24,6 +24,10 @@ What is registered, and why (torch_npu 2.13.0 and 2.9.0 wheels, ``torch_npu/dyna
   rotary fusion's form whose backward is the forward op again; converted by torchair's own
   ``npu_rotary_mul`` converter (RotaryMul on A2/A3), which has none of ``npu_rotary_mul_backward``'s
   converter limits.
+- ``qwen_npu.rotary_mul_aten_backward`` (:mod:`qwen_npu_compile.npu_ops.rotary_mul_aten_backward`): the
+  rotary form for training graphs where sin's halves cannot be proven (per-layer graphs) and the
+  backward converter's limits fail (dynamic shapes, D % 64); the same RotaryMul forward, and a backward
+  of plain ATen ops that torchair converts itself.
 - ``qwen_npu.gate_up_proj`` (:mod:`qwen_npu_compile.npu_ops.gate_up_proj`): the SwiGLU fusion's buffer
   of both projections; see :func:`_register_gate_up_proj` (BatchMatMulV2 twice, ConcatD along axis 0).
   Its backward graph holds only ATen ``mm``/``add``/views, which torchair converts itself.
@@ -43,6 +47,7 @@ conversion check is an artifact of the CPU trace, not a blocker on the NPU.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import operator
@@ -206,17 +211,18 @@ def _register_silu_backward() -> None:
     register(torch.ops.aten.silu_backward.default)(convert)
 
 
-def _register_rotary_mul_orthogonal() -> None:
-    from .npu_ops import rotary_mul_orthogonal
-
+def _register_rotary_form(module: str) -> None:
+    """Register the converter of the rotary form ``qwen_npu_compile.npu_ops.<module>`` (its ``OP``)."""
+    op = importlib.import_module(f"{__package__}.npu_ops.{module}").OP
     register, _ = _torchair_api()
     npu_rotary_mul = _existing_converter(torch.ops.npu.npu_rotary_mul.default)
 
     def convert(x, r1, r2, meta_outputs=None):
-        """qwen_npu.rotary_mul_orthogonal -> torchair's own npu_rotary_mul converter (mode 'half')."""
+        """qwen_npu.rotary_mul_orthogonal / rotary_mul_aten_backward -> torchair's own npu_rotary_mul
+        converter (RotaryMul, mode 'half'); their backwards are RotaryMul again and plain ATen ops."""
         return npu_rotary_mul(x, r1, r2, "half", None)
 
-    register(rotary_mul_orthogonal.OP)(convert)
+    register(op)(convert)
 
 
 def _register_gate_up_proj() -> None:
@@ -255,7 +261,8 @@ def _register_gate_up_proj() -> None:
 _CONVERTERS = {
     "npu.npu_fusion_attention_grad": _register_fusion_attention_grad,
     "aten.silu_backward": _register_silu_backward,
-    "qwen_npu.rotary_mul_orthogonal": _register_rotary_mul_orthogonal,
+    "qwen_npu.rotary_mul_orthogonal": functools.partial(_register_rotary_form, "rotary_mul_orthogonal"),
+    "qwen_npu.rotary_mul_aten_backward": functools.partial(_register_rotary_form, "rotary_mul_aten_backward"),
     "qwen_npu.gate_up_proj": _register_gate_up_proj,
     **VARLEN_CONVERTERS,
     **MOE_CONVERTERS,

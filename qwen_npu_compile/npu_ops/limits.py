@@ -50,6 +50,7 @@ CHECKS: dict[str, Callable[[dict, str | None], str | None]] = {
     "npu::npu_rotary_mul": _rotary(backward=False),
     "npu::npu_rotary_mul_backward": _rotary(backward=True),
     "qwen_npu::rotary_mul_orthogonal": _rotary(backward=False),
+    "qwen_npu::rotary_mul_aten_backward": _rotary(backward=False),
     "npu::npu_rms_norm": lambda a, downstream: rms_norm.rms_norm_violation(a["self"], a["gamma"], downstream=downstream),
     "npu::npu_rms_norm_backward": lambda a, downstream: rms_norm.rms_norm_violation(
         a["self"], a["gamma"], downstream=downstream),

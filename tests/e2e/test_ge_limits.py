@@ -2,8 +2,9 @@
 
 In-process tests (no torchair needed) compile with ``downstream="torchair"`` as the fusion target and
 hand the rewritten graph to aot_eager instead, to check what the rewrite emits for torchair: the
-orthogonal rotary form (``qwen_npu.rotary_mul_orthogonal``, whose backward is the forward op with -sin)
-and its parity, the refusals that name a torchair converter limit, fp32 attention refused. The
+orthogonal rotary form (``qwen_npu.rotary_mul_orthogonal``, whose backward is the forward op with -sin),
+the ATen-backward form where sin's halves cannot be proven (``qwen_npu.rotary_mul_aten_backward``), their
+parity, the refusals that name a torchair converter limit, fp32 attention refused. The
 conversion tests run torchair's real FX→GE conversion off-NPU (``qwen_npu_compile.torchair_offline``)
 in a subprocess (importing torchair patches the process) and are skipped when no torch_npu wheel can
 be obtained.
@@ -29,10 +30,11 @@ from qwen_npu_compile import get_reports
 from qwen_npu_compile import backend as qwen_backend
 from qwen_npu_compile import ge_converters
 from qwen_npu_compile.handoff import hand_off as real_hand_off
-from qwen_npu_compile.npu_ops import rotary_mul_orthogonal
+from qwen_npu_compile.npu_ops import rotary_mul_aten_backward, rotary_mul_orthogonal
 
 TORCHAIR = {"downstream": "torchair"}
 ORTHOGONAL = rotary_mul_orthogonal.OP
+ATEN_BACKWARD = rotary_mul_aten_backward.OP
 NPU = torch.ops.npu
 
 
@@ -174,15 +176,15 @@ def bsnd_rotary(x_bsnd, cos, sin):
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
-def _cos_sin(seq: int, head_dim: int, requires_grad: bool = False):
+def _cos_sin(seq: int, head_dim: int, requires_grad: bool = False, equal_halves: bool = True):
     freqs = torch.randn(1, seq, head_dim // 2)
-    emb = torch.cat([freqs, freqs], -1)
+    emb = torch.cat([freqs, freqs], -1) if equal_halves else torch.randn(1, seq, head_dim)
     return emb.cos().requires_grad_(requires_grad), emb.sin().requires_grad_(requires_grad)
 
 
-def _compile_bsnd(head_dim: int, dynamic_seq: bool = False):
+def _compile_bsnd(head_dim: int, dynamic_seq: bool = False, equal_halves: bool = True):
     x = torch.randn(2, 8, 4, head_dim, requires_grad=True)
-    cos, sin = _cos_sin(8, head_dim)
+    cos, sin = _cos_sin(8, head_dim, equal_halves=equal_halves)
     if dynamic_seq:  # S symbolic, as Dynamo's automatic dynamic gives verl's varying lengths; D stays static
         for t in (x, cos, sin):
             torch._dynamo.mark_dynamic(t, 1)
@@ -196,25 +198,35 @@ def _compile_bsnd(head_dim: int, dynamic_seq: bool = False):
     return report
 
 
-def test_unprovable_sin_with_head_dim_16_is_refused_naming_the_converter(npu_ops, torchair_target_on_aot_eager):
-    report = _compile_bsnd(16)
-    assert report.fusions == {"moe": 0, "rms_norm": 0, "swiglu": 0, "rotary": 0, "attention": 0}
-    [refusal] = _refusals(report, "rotary")
-    assert "npu_rotary_mul_backward" in refusal.reason and "D % 64 == 0, got D=16" in refusal.reason
-    assert "equal halves" in refusal.reason
+@pytest.mark.parametrize("equal_halves", [True, False], ids=["sin_cat_f_f", "sin_any"])
+def test_unprovable_sin_with_head_dim_16_fuses_with_the_aten_backward(npu_ops, torchair_target_on_aot_eager,
+                                                                      equal_halves):
+    """cos/sin are graph inputs (a per-layer graph): sin's halves cannot be proven and D=16 breaks the
+    backward converter's D % 64, so the forward is fused and the backward is HF's in ATen ops; the
+    gradient is exact for a sin with unequal halves too (where the orthogonal form would be wrong)."""
+    report = _compile_bsnd(16, equal_halves=equal_halves)
+    assert report.fusions == {"moe": 0, "rms_norm": 0, "swiglu": 0, "rotary": 1, "attention": 0}
+    assert _refusals(report, "rotary") == []
+    graphs = torchair_target_on_aot_eager
+    assert _count(graphs["forward"], ATEN_BACKWARD) == 1 and _count(graphs["forward"], ORTHOGONAL) == 0
+    assert _count(graphs["backward"], NPU.npu_rotary_mul_backward.default) == 0
+    assert _count(graphs["backward"], ATEN_BACKWARD) == 0 and _count(graphs["backward"], ORTHOGONAL) == 0
 
 
 def test_unprovable_sin_with_head_dim_64_fuses_with_the_backward_op(npu_ops, torchair_target_on_aot_eager):
     report = _compile_bsnd(64)
     assert report.fusions["rotary"] == 1 and _refusals(report, "rotary") == []
     assert _count(torchair_target_on_aot_eager["backward"], NPU.npu_rotary_mul_backward.default) == 1
+    assert _count(torchair_target_on_aot_eager["forward"], ATEN_BACKWARD) == 0
 
 
-def test_unprovable_sin_under_dynamic_shapes_is_refused(npu_ops, torchair_target_on_aot_eager):
-    report = _compile_bsnd(64, dynamic_seq=True)
-    assert report.fusions["rotary"] == 0
-    [refusal] = _refusals(report, "rotary")
-    assert "needs static shapes" in refusal.reason and "npu_rotary_mul_backward" in refusal.reason
+def test_unprovable_sin_under_dynamic_shapes_fuses_with_the_aten_backward(npu_ops, torchair_target_on_aot_eager):
+    """verl's dynamic token count: the backward converter needs static shapes, the ATen backward does not."""
+    report = _compile_bsnd(64, dynamic_seq=True, equal_halves=False)
+    assert report.fusions["rotary"] == 1 and _refusals(report, "rotary") == []
+    graphs = torchair_target_on_aot_eager
+    assert _count(graphs["forward"], ATEN_BACKWARD) == 1
+    assert _count(graphs["backward"], NPU.npu_rotary_mul_backward.default) == 0
 
 
 def test_cos_sin_needing_grad_never_take_the_orthogonal_form(npu_ops, torchair_target_on_aot_eager):
@@ -230,8 +242,9 @@ def test_cos_sin_needing_grad_never_take_the_orthogonal_form(npu_ops, torchair_t
     [report] = get_reports()
     assert report.fusions["rotary"] == 0
     [refusal] = _refusals(report, "rotary")
-    assert "cos/sin need grad" in refusal.reason
+    assert "cos/sin need grad" in refusal.reason and "npu_rotary_mul_backward" in refusal.reason
     assert _count(torchair_target_on_aot_eager["forward"], ORTHOGONAL) == 0
+    assert _count(torchair_target_on_aot_eager["forward"], ATEN_BACKWARD) == 0
 
 
 def test_orthogonal_op_refuses_cos_sin_that_need_grad(npu_ops):

@@ -97,13 +97,18 @@ class _ScaledMatmul(torch.autograd.Function):
 
 
 class _NormThenCustom(torch.nn.Module):
+    """HF's RMSNorm, an RMSNorm already fused as a monkey patch would (``torch.ops.npu.npu_rms_norm``, the
+    packet), then the custom function."""
+
     def __init__(self):
         super().__init__()
         self.norm = Qwen2RMSNorm(16)
+        self.patched_norm_weight = torch.nn.Parameter(torch.rand(16) + 0.5)
         self.w = torch.nn.Parameter(torch.randn(16, 8))
 
     def forward(self, x):
-        return _ScaledMatmul.apply(self.norm(x), self.w)
+        x = torch.ops.npu.npu_rms_norm(self.norm(x), self.patched_norm_weight, 1e-6)[0]
+        return _ScaledMatmul.apply(x, self.w)
 
 
 def test_custom_autograd_function_compiles_unfused_with_its_gradients(npu_ops, caplog):
@@ -124,6 +129,7 @@ def test_custom_autograd_function_compiles_unfused_with_its_gradients(npu_ops, c
     report = _only_report()
     assert report.fallback_stage == "canonicalize" and "custom torch.autograd.Function at test_negative.py" in report.fallback
     assert report.fusions == {"rms_norm": 0, "swiglu": 0}
+    assert report.already_fused == {"rms_norm": 1, "swiglu": 0}  # the patched norm still runs, and is counted
     assert sum("custom torch.autograd.Function" in r.getMessage() for r in caplog.records) == 1
     torch._dynamo.reset()
     with pytest.raises(Exception, match=r"FusionError: qwen_npu strict mode: \S+ compiled unfused \(canonicalize"):

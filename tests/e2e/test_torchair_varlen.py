@@ -260,15 +260,18 @@ def test_packed_qwen2_per_layer_converts(converted, mode):
     report = _only_report(case)
     assert report["downstream_fallbacks"] == [] and report["downstream"] == "torchair"
     assert report["failures"] == []
-    # The packed layer's token dim is dynamic from the first call (integrations/varlen.py mark_tokens_dynamic),
-    # and for a dynamic training graph the rotary family keeps Qwen2's rotary unfused for torchair
-    # (torchair's npu_rotary_mul_backward converter refuses dynamic shapes; see patterns/rotary.py): open item.
-    rotary = 0 if mode == "train" else 2
-    assert _fused(report) == {"rms_norm": 2, "swiglu": 1, "attention": 1, **({"rotary": rotary} if rotary else {})}
+    assert _fused(report) == {"rms_norm": 2, "swiglu": 1, "rotary": 2, "attention": 1}
     [forward] = _graphs(case, "forward")
     [node] = _nodes(forward, "FlashAttentionScore")
     _assert_attention_node(node, heads=HEADS, scale=HEAD_DIM ** -0.5, ends_from="Data", dynamic=True)
+    assert len(_nodes(forward, "RotaryMul")) == 2
     if mode == "train":
+        # The packed layer's token dim is dynamic from the first call (integrations/varlen.py
+        # mark_tokens_dynamic) and cos/sin are graph inputs (sin = cat(f, f) cannot be proven): rotary is
+        # qwen_npu.rotary_mul_aten_backward, RotaryMul forward and a backward of plain ATen ops
+        # (torchair's RotaryMulGrad converter refuses dynamic shapes; patterns/rotary.py).
+        assert report["variants"]["rotary_bsnd"] == 2
         [backward] = _graphs(case, "backward")
+        assert _nodes(backward, "RotaryMulGrad") == [] and _nodes(backward, "RotaryMul") == []
         [grad] = _nodes(backward, "FlashAttentionScoreGrad")
         _assert_attention_node(grad, heads=HEADS, scale=HEAD_DIM ** -0.5, ends_from="Data", dynamic=True)

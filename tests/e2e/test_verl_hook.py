@@ -581,3 +581,40 @@ def test_verl_sdpa_with_ulysses_is_refused_at_build(default_path_runs):
     assert error.startswith("ValueError: qwen_npu: QWEN_NPU_COMPILE=1 with ulysses_sequence_parallel_size=2 and "
                             "attn_implementation='sdpa'"), error
     assert "flash_attention_2" in error
+
+
+@pytest.fixture(scope="module")
+def torchair_default_path_run(tmp_path_factory):
+    """verl's defaults in bf16 with QWEN_NPU_DOWNSTREAM=torchair: every layer graph goes through torchair's
+    FX->GE conversion off-NPU (the torch_npu wheel's torchair, qwen_npu_compile.torchair_offline) and runs
+    eagerly; skipped when no torch_npu wheel can be obtained."""
+    from conftest import torchair_wheel_sources
+
+    torchair_wheel_sources()  # skips without the wheel
+    tmp = tmp_path_factory.mktemp("verl_default_path_torchair")
+    env = {"VERL_USE_EXTERNAL_MODULES": "qwen_npu_compile.verl", ENV_COMPILE: "1", "QWEN_NPU_DOWNSTREAM": "torchair"}
+    return run_scenarios(tmp, "torchair", env, {"fa2_packed_bf16": DEFAULT_SCENARIOS["fa2_packed_bf16"]})
+
+
+@pytest.mark.verl
+@needs_verl
+def test_verl_default_path_graphs_convert_for_ge(torchair_default_path_run):
+    """Every layer graph of verl's default path (flash_attention_2, packed, dynamic batch size, gradient
+    checkpointing, FSDP2, bf16) converts for GE with 0 failures: forward RmsNorm 2, SwiGlu 1, RotaryMul 2
+    (rotary_mul_aten_backward: cos/sin are layer inputs, T is dynamic) and TND FlashAttentionScore 1; the
+    backward FlashAttentionScoreGrad 1 and no RotaryMulGrad (its converter refuses dynamic shapes)."""
+    run = torchair_default_path_run["fa2_packed_bf16"]
+    assert "error" not in run, (run.get("error"), run.get("traceback"))
+    assert run["compiled_layers"] == ["model.layers.0", "model.layers.1"]
+    fused_forward = {"RmsNorm": 2, "SwiGlu": 1, "RotaryMul": 2, "FlashAttentionScore": 1}
+    for name, layer in run["layers"].items():
+        assert layer["calls"]["eager"] == 0, layer["calls"]
+        assert all(fusions == PER_LAYER for fusions in layer["fusions"]), (name, layer["fusions"])
+        assert set(layer["downstream"]) == {"torchair"}, layer["downstream"]
+        for ge in layer["ge"]:
+            assert ge["failures"] == [], (name, ge["failures"])
+            forward = [g["ops"] for g in ge["graphs"] if g["kind"] == "forward"]
+            backward = [g["ops"] for g in ge["graphs"] if g["kind"] == "backward"]
+            assert forward and all(ops == fused_forward for ops in forward), (name, ge["graphs"])
+            assert all(ops.get("FlashAttentionScoreGrad") == 1 and "RotaryMulGrad" not in ops for ops in backward)
+    assert run["graphs_after_step"][-1] == run["graphs_after_step"][0], run["graphs_after_step"]

@@ -5,7 +5,7 @@ grouped matmuls, ``npu_swiglu(cat)``, ``npu_moe_token_unpermute``), compiled wit
 verl's real module is imported: its ``import torch_npu`` gets a throwaway module (:func:`stand_in_torch_npu`)
 whose functions are our ``torch.ops.npu`` stand-ins, and ``_patch_qwen3_moe()`` is applied and undone around
 each test. Checked: nothing of the patched block is fused twice (its graph compiles unfused, with the reason
-below), whole model and per layer (``maybe_compile``); the
+below, and verl's fused ops count as already fused), whole model and per layer (``maybe_compile``); the
 torchair (GE) conversion's failures, op by op with their reasons; parity with the same patched model run
 eagerly, forward and backward.
 
@@ -13,7 +13,8 @@ Found here first: the backend's pre-dispatch retrace (``canonicalize.to_aten_gra
 ``autograd_function_apply`` (verl's ``NPUGmmFunction``) forward under ``_set_grad_enabled(False)`` and drops its
 backward: fused, the experts' ``gate_up_proj`` / ``down_proj`` got no gradient at all, silently. Such a graph
 now compiles unfused with the reason (``canonicalize.refuse_custom_autograd_functions``), so verl's block is
-neither fused twice nor counted: its graph keeps verl's ops and AOTAutograd runs NPUGmmFunction's own backward.
+not fused twice: its graph keeps verl's ops, AOTAutograd runs NPUGmmFunction's own backward, and verl's fused
+ops are counted as already fused (``fuse.count_fused_in_captured``).
 
 CPU only: ``torch.histc`` has no integer CPU kernel (verl calls it on the int64 top-k ids; torch_npu's and
 CUDA's histc take integers and keep the dtype); :func:`_histc_any_dtype` stands in for it here.
@@ -121,6 +122,11 @@ def test_block_is_verls(patched):
 #: gate_up_proj / down_proj would get no gradient at all (silently: what this file found first).
 FALLBACK = "the graph applies a custom torch.autograd.Function at modeling_qwen3_moe.py:"
 NOTHING = {"rms_norm": 0, "moe": 0, "swiglu": 0, "rotary": 0, "attention": 0}
+#: What verl's patch fused, counted as already fused in the unfused graph (fuse.count_fused_in_captured): per
+#: layer 4 npu_rms_norm (input, post-attention, q_norm, k_norm) and 2 npu_rotary_mul, and the MoE block's 3
+#: NPUGmmFunction grouped matmuls (their forward bodies; the backward bodies' dx/dW are not counted) and its
+#: npu_swiglu; the final norm once per model.
+ALREADY_FUSED_PER_LAYER = {"rms_norm": 4, "moe": 3, "swiglu": 1, "rotary": 2, "attention": 0}
 
 
 def test_whole_model_compiles_unfused_with_the_reason_and_parity(patched, tmp_path):
@@ -136,6 +142,8 @@ def test_whole_model_compiles_unfused_with_the_reason_and_parity(patched, tmp_pa
     (report,) = get_reports()
     assert report.fallback_stage == "canonicalize" and report.fallback.startswith(FALLBACK), report.fallback
     assert report.fusions == NOTHING and not any(v.startswith("moe") for v in report.variants)
+    assert report.already_fused == {family: n * LAYERS + (family == "rms_norm")
+                                    for family, n in ALREADY_FUSED_PER_LAYER.items()}
     forward = report.aot_ops["forward"]
     assert (forward["npu_grouped_matmul"], forward["npu_moe_token_permute"], forward["npu_moe_token_unpermute"]) == (
         3 * LAYERS, LAYERS, LAYERS)
@@ -162,7 +170,7 @@ def test_per_layer_compiles_unfused_with_the_reason_and_parity(patched, monkeypa
     assert len(reports) == len(layers) == LAYERS
     for report in reports:
         assert report.fallback_stage == "canonicalize" and report.fallback.startswith(FALLBACK), report.fallback
-        assert report.fusions == NOTHING
+        assert report.fusions == NOTHING and report.already_fused == ALREADY_FUSED_PER_LAYER
 
 
 GE_SCRIPT = """
@@ -203,6 +211,7 @@ def test_torchair_conversion_records_each_unconvertible_op(tmp_path):
     hand-off then runs that graph eagerly, README "Bad inputs")."""
     (ge,) = run_ge_script(GE_SCRIPT, tmp_path, "e2e")
     assert (ge["fusions"], ge["downstream"]) == (NOTHING, "torchair")
+    assert ge["already_fused"] == {family: n * LAYERS + (family == "rms_norm") for family, n in ALREADY_FUSED_PER_LAYER.items()}
     kinds = {g["name"]: g["kind"] for g in ge["graphs"]}
     failures = [(f["op"], kinds[f["graph"]], f["error"]) for f in ge["failures"]]
     assert [(op, kind) for op, kind, _ in failures] == [(op, kind) for op, kind, _ in GE_FAILURES]

@@ -1,5 +1,5 @@
 """Subprocess of tests/e2e/test_torchair_varlen.py: torchair's FX->GE conversion (off-NPU) of graphs holding
-the varlen ops, with the GE graphs' FlashAttentionScore(Grad) / NonZero nodes described for the test.
+the varlen ops, with the GE graphs' FlashAttentionScore(Grad) / NonZero / RotaryMul(Grad) nodes described for the test.
 
     python tests/e2e/torchair_varlen_cases.py '["toy-train-bf16-static", ...]'
 
@@ -32,7 +32,7 @@ HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 4, 2, 64, 64
 PACKINGS = ([5, 7, 4], [3, 3, 3, 5, 6])  # the dynamic cases run both (T 16 then 20, 3 then 5 sequences)
 MODEL_PACKING = [13, 29, 6, 16]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-INTERESTING = ("FlashAttentionScore", "FlashAttentionScoreGrad", "NonZero")
+INTERESTING = ("FlashAttentionScore", "FlashAttentionScoreGrad", "NonZero", "RotaryMul", "RotaryMulGrad")
 CAPTURED: list[dict] = []
 
 

@@ -13,8 +13,9 @@ optimizer, checkpoint manager), then trains two steps on a fixed batch of 4 sequ
 lengths with verl's ``sft_loss``: the first runs the three calls of ``BaseEngine.train_batch``
 (``optimizer_zero_grad``, ``forward_backward_batch``, ``optimizer_step``) so that the gradients can be
 read before the optimizer step, the second is ``train_batch`` itself. ``OUT.json`` gets, per scenario,
-the losses, gradients, state-dict keys and per-layer ``qwen_npu`` graphs, or the error raised, and
-the hook's log lines.
+the losses, gradients, state-dict keys and per-layer ``qwen_npu`` graphs (fusions, variants, what ran
+them; with ``QWEN_NPU_DOWNSTREAM=torchair``, off-NPU, their GE graphs' fused ops and conversion failures),
+or the error raised, and the hook's log lines.
 
 Set ``VERL_ENGINE_RUN_EXTERNAL_LIB=1`` to name ``qwen_npu_compile.verl`` in the model config's
 ``external_lib`` (verl's other route) instead of ``VERL_USE_EXTERNAL_MODULES``.
@@ -45,6 +46,9 @@ from verl.plugin.platform import set_platform  # noqa: E402
 from verl.plugin.platform.platform_base import PlatformBase  # noqa: E402
 
 HOOK_IMPORTED_BY_VERL = "qwen_npu_compile.verl" in sys.modules
+#: GE op types of the fused kernels, reported per GE graph when the downstream is torchair (off-NPU).
+GE_FUSED_OPS = ("RmsNorm", "RmsNormGrad", "SwiGlu", "SwiGluGrad", "RotaryMul", "RotaryMulGrad",
+                "FlashAttentionScore", "FlashAttentionScoreGrad")
 
 
 class CPUPlatform(PlatformBase):
@@ -221,7 +225,14 @@ def run(settings: dict, model_dir: str) -> dict:
     layers = {
         name: {"class": record.class_name, "calls": dict(record.calls),
                "fusions": [dict(report.fusions) for report in record.reports],
-               "variants": [dict(report.variants) for report in record.reports]}
+               "variants": [dict(report.variants) for report in record.reports],
+               # what ran each graph, and (torchair off-NPU) its GE graphs and nodes that failed to convert
+               "downstream": [report.downstream for report in record.reports],
+               "ge": [None if report.ge is None else {
+                   "graphs": [{"kind": g.kind, "ops": {op: n for op, n in g.ops.items() if op in GE_FUSED_OPS}}
+                              for g in report.ge.graphs],
+                   "failures": [f"{f.op}: {f.error}" for f in report.ge.failures]}
+                   for report in record.reports]}
         for name, record in layer_reports(engine.module).items()
     }
     return {

@@ -506,6 +506,18 @@ def _ulysses_dispatch(ulysses_forward):
     return _flash_attention_forward
 
 
+def packed_layer_call(args: tuple, kwargs: dict):
+    """The context a decoder layer's compiled call runs in (``worker._CompiledLayerCall``): for a packed
+    micro-batch (the offsets passed as :data:`SEQ_ENDS_KWARG`), its token dim marked dynamic
+    (:func:`mark_tokens_dynamic`) and, with Ulysses sp > 1, :func:`ulysses_tracing`; otherwise nothing."""
+    import contextlib
+
+    if SEQ_ENDS_KWARG not in kwargs:
+        return contextlib.nullcontext()
+    mark_tokens_dynamic(args, kwargs)
+    return ulysses_tracing(kwargs)
+
+
 def ulysses_tracing(kwargs: dict):
     """The context a decoder layer's compiled call runs in: with Ulysses sp > 1 and the offsets passed, Dynamo's
     ``nested_graph_breaks`` (torch 2.9-2.13), so that the break at verl's wrapper (:func:`_ulysses_dispatch`)

@@ -39,7 +39,6 @@ it ran; a layer that ran without one (Dynamo fell back to eager) is logged once.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -55,6 +54,7 @@ from torch import nn
 from .. import compat
 from ..config import QwenNpuConfig, parse_bool
 from ..report import SUMMARY, GraphReport
+from .varlen import packed_layer_call
 
 log = logging.getLogger("qwen_npu_compile")
 
@@ -445,45 +445,18 @@ class _CompiledLayerCall:
         self._checked = True
 
     def __call__(self, *args, **kwargs):
-        global _warned_cache_eager
         if not self._checked:
             self._check()
         layer, calls = self.layer, self.record.calls
-        tracing = contextlib.nullcontext()
-        if "qwen_npu_seq_ends" in kwargs:  # a packed micro-batch (integrations/varlen.py): one graph for every T
-            from .varlen import mark_tokens_dynamic, ulysses_tracing
-
-            mark_tokens_dynamic(args, kwargs)
-            tracing = ulysses_tracing(kwargs)  # sp > 1: the layer splits once, around verl's all-to-all
         token = _RUNNING_LAYER.set(self.record)
-        tracing.__enter__()
         try:
-            if _passes_cache(kwargs):
-                calls["eager"] += 1
-                if not _warned_cache_eager:
-                    _warned_cache_eager = True
-                    log.warning(
-                        "qwen_npu: decoder layers called with a KV cache run eagerly (per-layer cache state "
-                        "would make Dynamo recompile for every layer); pass use_cache=False for training"
-                    )
-                return layer._call_impl(*args, **kwargs)
-            if _checkpointing(layer) and _checkpoints_around_call(layer):
-                # already inside the checkpoint (older transformers): its function is this compiled call
-                if not _in_backward():
-                    calls["checkpointed"] += 1
-                out = self.compiled(*args, **kwargs)
-            elif _checkpointing(layer):
-                calls["checkpointed"] += 1
-                if not isinstance(layer._gradient_checkpointing_func, _CompilingCheckpoint):
-                    layer._gradient_checkpointing_func = _CompilingCheckpoint(
-                        layer._gradient_checkpointing_func, self.compiler
-                    )
-                out = layer._call_impl(*args, **kwargs)
-            else:
-                calls["compiled"] += 1
-                out = self.compiled(*args, **kwargs)
+            # a packed micro-batch (integrations/varlen.py): one graph for every T; sp > 1: one split around
+            # verl's all-to-all
+            with packed_layer_call(args, kwargs):
+                if _passes_cache(kwargs):
+                    return self._run_with_cache(args, kwargs)
+                out = self._route(layer, calls, args, kwargs)
         finally:
-            tracing.__exit__(None, None, None)
             _RUNNING_LAYER.reset(token)
         if not self.record.reports and not self._warned_eager:
             self._warned_eager = True
@@ -491,6 +464,37 @@ class _CompiledLayerCall:
                 "qwen_npu: decoder layer %s ran without a qwen_npu graph (Dynamo fell back to eager: "
                 "recompile limit or graph break; run with TORCH_LOGS=recompiles,graph_breaks)", self.record.name,
             )
+        return out
+
+    def _run_with_cache(self, args, kwargs):
+        """A call with a KV cache runs eagerly (one warning per process)."""
+        global _warned_cache_eager
+        self.record.calls["eager"] += 1
+        if not _warned_cache_eager:
+            _warned_cache_eager = True
+            log.warning(
+                "qwen_npu: decoder layers called with a KV cache run eagerly (per-layer cache state "
+                "would make Dynamo recompile for every layer); pass use_cache=False for training"
+            )
+        return self.layer._call_impl(*args, **kwargs)
+
+    def _route(self, layer: nn.Module, calls, args, kwargs):
+        """Run one call without a KV cache: through the checkpoint when it is on, else compiled."""
+        if _checkpointing(layer) and _checkpoints_around_call(layer):
+            # already inside the checkpoint (older transformers): its function is this compiled call
+            if not _in_backward():
+                calls["checkpointed"] += 1
+            out = self.compiled(*args, **kwargs)
+        elif _checkpointing(layer):
+            calls["checkpointed"] += 1
+            if not isinstance(layer._gradient_checkpointing_func, _CompilingCheckpoint):
+                layer._gradient_checkpointing_func = _CompilingCheckpoint(
+                    layer._gradient_checkpointing_func, self.compiler
+                )
+            out = layer._call_impl(*args, **kwargs)
+        else:
+            calls["compiled"] += 1
+            out = self.compiled(*args, **kwargs)
         return out
 
 

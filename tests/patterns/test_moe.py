@@ -8,6 +8,7 @@ near miss, so ``strict`` passes); parity with eager, forward and backward.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import pytest
 import torch
@@ -88,30 +89,62 @@ def test_loop_experts_stay_unfused_with_one_warning(caplog):
 
 
 GE_SCRIPT = """
-import json, sys
+import json, os, sys
 import torch
 sys.path[:0] = sys.argv[2:]
-from qwen_npu_compile import ensure_npu_ops, get_reports
+from qwen_npu_compile import ensure_npu_ops, get_reports, maybe_compile
+from qwen_npu_compile.report import SUMMARY
 ensure_npu_ops()
 from test_moe import tiny_moe, _ids
-model = tiny_moe("qwen3_moe", torch.bfloat16)
-compiled = torch.compile(model, backend="qwen_npu", options={"downstream": "torchair", "dump_dir": sys.argv[1]})
-compiled(input_ids=_ids(), labels=_ids()).loss.backward()
-print(json.dumps([dict(report.as_dict()["ge"], fusions=report.fusions) for report in get_reports()]))
+os.environ["QWEN_NPU_COMPILE"] = "1"
+cases = {}
+for family in ("qwen3_moe", "qwen2_moe"):
+    for where in ("whole", "layers"):
+        SUMMARY.graphs.clear()
+        torch._dynamo.reset()
+        model = tiny_moe(family, torch.bfloat16).train()
+        options = {"downstream": "torchair", "dump_dir": os.path.join(sys.argv[1], family, where)}
+        if where == "whole":
+            compiled = torch.compile(model, backend="qwen_npu", options=options)
+        else:
+            maybe_compile(model, options)
+            compiled = model
+        compiled(input_ids=_ids(), labels=_ids()).loss.backward()
+        cases[f"{family}-{where}"] = [dict(report.as_dict()["ge"], fusions=report.fusions) for report in get_reports()]
+print(json.dumps([cases]))
 """
 
 
-def test_training_graphs_convert_for_ge_off_npu(simulated_npu_ops, tmp_path):
-    """Forward and backward GE graphs of a tiny Qwen3-MoE bf16 training step, off-NPU (torchair from the
-    torch_npu wheel; skipped without it): 0 failures; GroupedMatmul per fused grouped matmul (backward: dx
-    and dW), the routing as SearchSorted / ScatterElements / GatherV2 (no histc, no index_put)."""
-    (ge,) = run_ge_script(GE_SCRIPT, tmp_path, "patterns")
-    assert ge["fusions"]["moe"] == 2 * LAYERS
-    assert ge["failures"] == []
-    forward, backward = ({g["kind"]: g["ops"] for g in ge["graphs"]}[kind] for kind in ("forward", "backward"))
-    assert forward["GroupedMatmul"] == 2 * LAYERS and backward["GroupedMatmul"] == 2 * 2 * LAYERS
-    assert forward["SwiGlu"] == LAYERS and backward["SwiGluGrad"] == LAYERS
-    assert (forward["SearchSorted"], forward["ScatterElements"]) == (LAYERS, LAYERS)
+@pytest.fixture(scope="module")
+def ge_cases(tmp_path_factory):
+    """torchair's FX->GE conversion (off-NPU; skipped without the torch_npu wheel) of a bf16 training step of
+    tiny Qwen3-MoE and Qwen2-MoE, whole model and per decoder layer (maybe_compile), in one fresh interpreter."""
+    (cases,) = run_ge_script(GE_SCRIPT, tmp_path_factory.mktemp("moe_ge"), "patterns")
+    return cases
+
+
+def _ge_ops(reports: list, kind: str) -> Counter:
+    """GE op counts over every GE graph of ``kind`` of the case's reports."""
+    return sum((Counter(g["ops"]) for r in reports for g in r["graphs"] if g["kind"] == kind), Counter())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("where", ["whole", "layers"])
+def test_training_graphs_convert_for_ge_off_npu(simulated_npu_ops, ge_cases, family, where):
+    """Forward and backward GE graphs of a tiny MoE bf16 training step, off-NPU: 0 failures; GroupedMatmul per
+    fused grouped matmul (backward: dx and dW), SwiGlu on the experts (and Qwen2-MoE's shared expert), the
+    routing as SearchSorted / ScatterElements (no histc, no index_put); per layer: one graph for both layers."""
+    reports = ge_cases[f"{family}-{where}"]
+    assert len(reports) == 1, [r["fusions"] for r in reports]  # per layer: one graph both layers call
+    assert [r["failures"] for r in reports] == [[]]
+    per_graph = LAYERS if where == "whole" else 1
+    fused = sum(r["fusions"]["moe"] for r in reports)
+    assert fused == 2 * per_graph
+    forward, backward = _ge_ops(reports, "forward"), _ge_ops(reports, "backward")
+    swiglu = per_graph * (2 if family == "qwen2_moe" else 1)  # experts (+ the shared expert's MLP)
+    assert forward["GroupedMatmul"] == 2 * per_graph and backward["GroupedMatmul"] == 2 * 2 * per_graph
+    assert forward["SwiGlu"] == swiglu and backward["SwiGluGrad"] == swiglu
+    assert (forward["SearchSorted"], forward["ScatterElements"]) == (per_graph, per_graph)
 
 
 #: preset -> (published total parameters, in billions; the model cards), the family's expected counts (whole model).

@@ -41,7 +41,8 @@ Counting rules (:func:`classify`, :func:`node_bytes`):
   select, permute, detach, alias, as_strided, split, ...) and :data:`FREE_OPS` (``_unsafe_view`` and
   allocations without a fill); ``operator.getitem`` and SymInt arithmetic are free too.
 * Kernel categories: ``matmul`` (:data:`MATMUL_OPS`, including ``qwen_npu.gate_up_proj``: the SwiGLU
-  fusion's gate and up projections, two matmuls writing one buffer), ``attention`` (SDPA's kernels and
+  fusion's gate and up projections, two matmuls writing one buffer; and the MoE experts' grouped matmuls,
+  :data:`GROUPED_MATMUL_OP_NAMES`, ``2·M·K·N`` over their groups), ``attention`` (SDPA's kernels and
   ``npu_fusion_attention``/``_grad``, :data:`ATTENTION_OP_NAMES`), ``fused`` (other ``npu`` ops) and
   ``vector`` (everything else: elementwise, reductions, casts, copies, cat, mask building).
 * Bytes of a kernel = bytes of its tensor inputs (each argument once, broadcast (stride-0) dims
@@ -147,6 +148,14 @@ MATMUL_OPS = frozenset(
         aten.addmv.default,
         aten.dot.default,
     }
+)
+
+#: Grouped matmuls (MoE experts; schema names, as the npu op exists only once registered): transformers'
+#: ``aten._grouped_mm`` (bf16) / ``transformers::grouped_mm_fallback`` (fp32/fp16 under Dynamo), our
+#: ``qwen_npu::grouped_matmul`` and torch_npu's ``npu_grouped_matmul``. Matmuls, with the FLOPs of
+#: :func:`_grouped_matmul_flops` (benchmarks/moe_traffic.py's rows).
+GROUPED_MATMUL_OP_NAMES = frozenset(
+    {"aten::_grouped_mm", "transformers::grouped_mm_fallback", "qwen_npu::grouped_matmul", "npu::npu_grouped_matmul"}
 )
 
 #: Attention kernels (schema names): SDPA and what it lowers to, and the fused NPU attention.
@@ -298,7 +307,7 @@ def classify(node: torch.fx.Node) -> str | None:
         return "free"
     if not any(True for _ in _tensors(node.meta.get("val"))):
         return "free"  # sym_size & co, ops returning only scalars
-    if target in MATMUL_OPS:
+    if target in MATMUL_OPS or target._schema.name in GROUPED_MATMUL_OP_NAMES:
         return "matmul"
     if target._schema.name in ATTENTION_OP_NAMES:
         return "attention"
@@ -420,8 +429,43 @@ _MATMUL_K = {
 }
 
 
+def _grouped_matmul_flops(node: torch.fx.Node) -> int:
+    """``2·M·K·N`` summed over the groups of a grouped matmul (:data:`GROUPED_MATMUL_OP_NAMES`).
+
+    * Groups along the rows (``x [M, K]`` x ``w [E, K, N]`` -> ``[M, N]``; the forward and dx of MoE experts:
+      ``aten._grouped_mm`` / ``grouped_mm_fallback`` 2-D x 3-D, ``qwen_npu::grouped_matmul``,
+      ``npu_grouped_matmul`` ``group_type=0``): row group ``e`` costs ``2·m_e·K·N``, in all ``2·M·K·N`` =
+      2 x (output elements) x K, whatever the split.
+    * Groups along the contraction (``a [K, M]`` x ``b [M, N]`` -> ``[E, K, N]``; dW: ``aten._grouped_mm``
+      2-D x 2-D, ``npu_grouped_matmul`` ``group_type=2``): group ``e`` costs ``2·K·m_e·N``, in all ``2·K·M·N``
+      (not 2 x output x M: the output holds E blocks).
+    * ``aten._grouped_mm`` 3-D x 2-D / 3-D x 3-D: 2 x (output elements) x K.
+
+    Raises:
+        ValueError: an ``npu_grouped_matmul`` with several x or weight tensors (not emitted by any variant).
+    """
+    name = _schema_name(node)
+    if name == "npu::npu_grouped_matmul":
+        bound = bound_arguments(node)
+        xs, ws = bound["x"], bound["weight"]
+        if len(xs) != 1 or len(ws) != 1:
+            raise ValueError(f"{node.name}: npu_grouped_matmul with {len(xs)} x / {len(ws)} weight tensors")
+        a, b = xs[0].meta["val"], ws[0].meta["val"]
+        contraction_groups = bound.get("group_type") == 2
+    else:
+        a, b = node.args[0].meta["val"], node.args[1].meta["val"]
+        contraction_groups = a.dim() == 2 and b.dim() == 2
+    if contraction_groups:
+        return 2 * _dim(a.shape[0]) * _dim(a.shape[1]) * _dim(b.shape[1])
+    out = sum(_numel(t) for t in _tensors(node.meta.get("val")))
+    return 2 * out * _dim(a.shape[-1])
+
+
 def _matmul_flops(node: torch.fx.Node) -> int:
-    """``2·M·N·K`` of a matmul kernel: 2 x (elements of its output) x K (the left operand's last dim)."""
+    """``2·M·N·K`` of a matmul kernel: 2 x (elements of its output) x K (the left operand's last dim);
+    grouped matmuls: :func:`_grouped_matmul_flops`."""
+    if _schema_name(node) in GROUPED_MATMUL_OP_NAMES:
+        return _grouped_matmul_flops(node)
     left = node.args[_MATMUL_K[_schema_name(node)]].meta["val"]
     out = sum(_numel(t) for t in _tensors(node.meta.get("val")))
     return 2 * out * int(left.shape[-1])

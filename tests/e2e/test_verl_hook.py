@@ -593,7 +593,9 @@ def torchair_default_path_run(tmp_path_factory):
     torchair_wheel_sources()  # skips without the wheel
     tmp = tmp_path_factory.mktemp("verl_default_path_torchair")
     env = {"VERL_USE_EXTERNAL_MODULES": "qwen_npu_compile.verl", ENV_COMPILE: "1", "QWEN_NPU_DOWNSTREAM": "torchair"}
-    return run_scenarios(tmp, "torchair", env, {"fa2_packed_bf16": DEFAULT_SCENARIOS["fa2_packed_bf16"]})
+    sp2 = {**ULYSSES_SCENARIOS["fa2_packed_sp2"], "param_dtype": "bf16"}
+    return {**run_scenarios(tmp, "torchair", env, {"fa2_packed_bf16": DEFAULT_SCENARIOS["fa2_packed_bf16"]}),
+            **run_scenarios(tmp, "torchair_sp2", {**env, "VERL_ENGINE_RUN_WORLD_SIZE": "2"}, {"fa2_packed_sp2": sp2})}
 
 
 @pytest.mark.verl
@@ -618,3 +620,20 @@ def test_verl_default_path_graphs_convert_for_ge(torchair_default_path_run):
             assert forward and all(ops == fused_forward for ops in forward), (name, ge["graphs"])
             assert all(ops.get("FlashAttentionScoreGrad") == 1 and "RotaryMulGrad" not in ops for ops in backward)
     assert run["graphs_after_step"][-1] == run["graphs_after_step"][0], run["graphs_after_step"]
+
+
+@pytest.mark.verl
+@needs_verl
+def test_verl_ulysses_sp2_graphs_convert_for_ge(torchair_default_path_run):
+    """Ulysses sp=2 (2 gloo ranks, bf16): both halves of every layer (before attention: RmsNorm 1, RotaryMul 2;
+    after: RmsNorm 1, SwiGlu 1) convert for GE with 0 failures; attention runs between them in verl's wrapper."""
+    run = torchair_default_path_run["fa2_packed_sp2"]
+    assert "error" not in run, (run.get("error"), run.get("traceback"))
+    halves = [{"RmsNorm": 1, "RotaryMul": 2}, {"RmsNorm": 1, "SwiGlu": 1}]
+    for name, layer in run["layers"].items():
+        assert layer["calls"]["eager"] == 0 and set(layer["downstream"]) == {"torchair"}, layer
+        for ge in layer["ge"]:
+            assert ge["failures"] == [], (name, ge["failures"])
+            forward = [g["ops"] for g in ge["graphs"] if g["kind"] == "forward"]
+            assert forward and all(ops in halves for ops in forward), (name, ge["graphs"])
+            assert all("RotaryMulGrad" not in g["ops"] for g in ge["graphs"])

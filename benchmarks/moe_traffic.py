@@ -259,6 +259,28 @@ def swiglu_cat_inputs(gm: torch.fx.GraphModule) -> dict[str, int]:
     return out
 
 
+def grad_layout_copies(backward: torch.fx.GraphModule) -> dict[str, int]:
+    """Gradients the backward graph returns with strides other than contiguous: what ``AccumulateGrad`` copies
+    after the graph (every parameter here is contiguous, and a ``.grad`` that does not obey the parameter's layout
+    is cloned into it: torch ``autograd/functions/accumulate_grad.h``, ``clone_obey_contract``), reading and writing
+    the whole tensor once. Under torchair a non-contiguous graph output is a ``Transpose`` in the GE graph instead:
+    the same bytes, inside the graph. Not in the kernel counts (it runs outside the graph).
+
+    E.g. a grouped matmul's dW ``[E, K, N]`` (``group_type=2``) for a weight passed as ``param.transpose(1, 2)``
+    (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) returns the transposed view of a ``[E, K, N]`` buffer.
+
+    Returns:
+        ``{"tensors": n, "bytes": 2 x their bytes}``.
+    """
+    out = {"tensors": 0, "bytes": 0}
+    for value in backward.graph.output_node().args[0]:
+        tensor = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
+        if isinstance(tensor, torch.Tensor) and not tensor.is_contiguous():
+            out["tensors"] += 1
+            out["bytes"] += 2 * tensor.numel() * tensor.element_size()
+    return out
+
+
 def grouped_mm_counts(table: dict[str, dict]) -> dict[str, int]:
     """Per label of :data:`GROUPED_MM_LABELS`, the kernels of a per-op table (``graph_counts``/``subtract``)."""
     by_schema = {label: 0 for label in GROUPED_MM_LABELS}
@@ -341,18 +363,26 @@ def per_layer_rows(config, tokens: int, dtype: torch.dtype, inference: bool,
                 "roofline_ms_by_category": {c: sum(sums[k]["roofline_ms"][c] for k in kinds) for c in CATEGORIES},
                 "grouped_mm": {kind: grouped_mm_counts(layer[kind]) for kind in kinds},
                 "swiglu": swiglu,
+                "grad_layout_copies": ({k: grad_layout_copies(g2["backward"])[k] - grad_layout_copies(g1["backward"])[k]
+                                        for k in ("tensors", "bytes")} if not inference else {"tensors": 0, "bytes": 0}),
                 "capture_seconds": round(one["seconds"] + two["seconds"], 2),
                 "by_op": layer,
             }
+            copies = row["grad_layout_copies"]["bytes"]
+            row["grad_layout_copies"]["ms"] = _ms(copies)
+            row["with_grad_layout_copies"] = {"bytes": row["bytes"]["total"] + copies,
+                                              "est_ms": _ms(row["bytes"]["total"] + copies),
+                                              "roofline_ms": row["roofline_ms"]["total"] + _ms(copies)}
             rows[variant.name] = row
             gmm = "; ".join(f"{k} " + ", ".join(f"{label} {n}" for label, n in row["grouped_mm"][k].items() if n)
                             for k in kinds)
             log.info("moe traffic: %s %s %s: kernels %s, %s MiB non-matmul (glue %s), %.2f TFLOP, est %.2f ms, "
-                     "roofline %.2f ms; grouped matmuls %s", MODEL if tokens == TOKENS else "tiny", mode, variant.name,
+                     "roofline %.2f ms; grouped matmuls %s; grad layout copies %s MiB", MODEL if tokens == TOKENS else "tiny", mode, variant.name,
                      " / ".join(str(row["kernels"][k]) for k in kinds),
                      " + ".join(f"{row['bytes'][k] / MIB:,.0f}" for k in kinds),
                      f"{row['glue_bytes']['total'] / MIB:,.0f}", row["flops"]["total"] / 1e12,
-                     row["est_ms"]["total"], row["roofline_ms"]["total"], gmm)
+                     row["est_ms"]["total"], row["roofline_ms"]["total"], gmm,
+                     f"{row['grad_layout_copies']['bytes'] / MIB:,.0f}")
     return {v.name: rows[v.name] for v in variants}
 
 
@@ -421,6 +451,9 @@ def run(quick: bool = False) -> dict:
             "grouped_mm": "per-layer kernels of aten._grouped_mm, transformers::grouped_mm_fallback, "
             "qwen_npu::grouped_matmul and npu::npu_grouped_matmul",
             "swiglu": "per layer: npu_swiglu calls, those reading a cat (through views) and those reading a grouped matmul",
+            "grad_layout_copies": "backward-graph outputs (gradients) that are not contiguous: AccumulateGrad clones "
+            "them into the parameter's layout after the graph (read + write once); not in bytes/kernels, added in "
+            "with_grad_layout_copies (bytes, est_ms, roofline_ms)",
             "routing": "static shapes under FakeTensor (T*k rows); bytes and FLOPs do not depend on the routing; "
             "load imbalance is not modelled (uniform routing's cost)",
         },

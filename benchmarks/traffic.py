@@ -47,7 +47,8 @@ Counting rules (:func:`classify`, :func:`node_bytes`):
   ``vector`` (everything else: elementwise, reductions, casts, copies, cat, mask building).
 * Bytes of a kernel = bytes of its tensor inputs (each argument once, broadcast (stride-0) dims
   counted once: an ``expand``-ed input reads its un-expanded storage) + bytes of its tensor outputs,
-  from ``meta["val"]`` (numel x itemsize); the compressed causal mask of ``npu_fusion_attention``'s
+  from ``meta["val"]`` (numel x itemsize); allocate-and-fill ops (``new_zeros``, ``zeros_like``, ...:
+  :data:`METADATA_ONLY_OP_NAMES`) read nothing; the compressed causal mask of ``npu_fusion_attention``'s
   sparse modes 2/3 counts ``min(2048², Sq·Skv)`` bytes (:func:`_compressed_mask_bytes`). Matmuls are not counted. Attention kernels are reported in
   their own column: their internal traffic (score tiles) depends on the kernel, and on this CPU host
   SDPA lowers to ``_scaled_dot_product_flash_attention_for_cpu``, a stand-in for whatever the NPU's
@@ -196,6 +197,12 @@ FREE_OPS = frozenset(
         aten.new_empty_strided.default,
         aten.lift_fresh.default,
     }
+)
+
+#: Allocate-and-fill ops that read only the metadata (shape, dtype, device) of their tensor argument: their bytes
+#: are the output's only (``new_zeros(grad, size)`` in a backward reads nothing of ``grad``).
+METADATA_ONLY_OP_NAMES = frozenset(
+    {"aten::new_zeros", "aten::new_ones", "aten::new_full", "aten::zeros_like", "aten::ones_like", "aten::full_like"}
 )
 
 #: Copies that count as glue when they touch a fused npu op (see the module docstring).
@@ -406,6 +413,9 @@ def node_bytes(node: torch.fx.Node) -> tuple[int, int]:
     v, out, softmax_max/sum, seq_ends and the mask and writes dq, dk, dv. As for every kernel, these are
     the op's tensor arguments and outputs (``meta["val"]``); the kernel's internal score tiles stay on chip.
     """
+    written = sum(_numel(t) * t.element_size() for t in _tensors(node.meta.get("val")))
+    if _schema_name(node) in METADATA_ONLY_OP_NAMES:
+        return 0, written
     read = _varlen_mask_bytes(node)
     compressed_mask, compressed_bytes = _compressed_mask_bytes(node)
     for arg in _node_args(node):
@@ -414,7 +424,6 @@ def node_bytes(node: torch.fx.Node) -> tuple[int, int]:
             continue
         for tensor in _tensors(arg.meta.get("val")):
             read += _unique_bytes(tensor)
-    written = sum(_numel(t) * t.element_size() for t in _tensors(node.meta.get("val")))
     return read, written
 
 

@@ -470,9 +470,51 @@ def readme_tables(traffic: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-if __name__ == "__main__":  # python -m benchmarks.markdown benchmarks/results/kernel_traffic.json
+_MOE_LABELS = {"transformers": "transformers default (grouped_mm)", "verl": "verl-style", "qwen_npu": "qwen_npu"}
+_GMM_SHORT = {"aten._grouped_mm": "_grouped_mm", "grouped_mm_fallback": "grouped_mm_fallback",
+              "qwen_npu.grouped_matmul": "qwen_npu.grouped_matmul", "npu_grouped_matmul": "npu_grouped_matmul"}
+
+
+def _grouped_mm_cell(counts: dict[str, int]) -> str:
+    found = [f"{_GMM_SHORT[label]} {n}" for label, n in counts.items() if n]
+    return ", ".join(found) or "0"
+
+
+def moe_table(moe: dict) -> str:
+    """The "MoE per layer" table of README.md's "Performance evidence", from ``moe_traffic.json``'s payload
+    (``benchmarks/moe_traffic.py``): per model, mode and variant, the per-layer kernels, non-matmul bytes (read /
+    written), glue, the gradient layout copies after the graph, Cube TFLOP (grouped matmuls), est. ms, roofline
+    (matmul + attention + rest) and with the copies, and the grouped-matmul kernels.
+
+    ``python -m benchmarks.markdown benchmarks/results/moe_traffic.json`` prints it.
+    """
+    out = ["| mode | variant | kernels fw / bw | non-matmul MiB fw + bw (read / written) | glue MiB "
+           "| grad layout copies MiB | TFLOP (grouped mm) | est. ms | roofline ms (matmul + attention + rest) "
+           "| roofline + copies ms | grouped matmuls fw; bw |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for m in moe["models"].values():
+        for mode, rows in m["modes"].items():
+            for i, (variant, row) in enumerate(rows.items()):
+                kinds = [k for k in ("forward", "backward") if k in row["kernels"]]
+                by = row["roofline_ms_by_category"]
+                out.append(
+                    f"| {mode if i == 0 else ''} | {_MOE_LABELS.get(variant, variant)} | "
+                    + " / ".join(str(row["kernels"][k]) for k in kinds) + " | "
+                    + " + ".join(f"{row['bytes'][k] / MIB:,.0f}" for k in kinds)
+                    + f" ({row['bytes_read']['total'] / MIB:,.0f} / {row['bytes_written']['total'] / MIB:,.0f}) | "
+                    f"{row['glue_bytes']['total'] / MIB:,.0f} | {row['grad_layout_copies']['bytes'] / MIB:,.0f} | "
+                    f"{row['flops']['total'] / 1e12:.2f} ({row['grouped_mm_flops']['total'] / 1e12:.2f}) | "
+                    f"{row['est_ms']['total']:.2f} | {row['roofline_ms']['total']:.2f} ({by['matmul']:.2f} + "
+                    f"{by['attention']:.2f} + {by['fused'] + by['vector']:.2f}) | "
+                    f"{row['with_grad_layout_copies']['roofline_ms']:.2f} | "
+                    + "; ".join(_grouped_mm_cell(row["grouped_mm"][k]) for k in kinds) + " |"
+                )
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":  # python -m benchmarks.markdown benchmarks/results/{kernel_traffic,moe_traffic}.json
     import json
     import sys
     from pathlib import Path
 
-    print(readme_tables(json.loads(Path(sys.argv[1]).read_text())), end="")
+    payload = json.loads(Path(sys.argv[1]).read_text())
+    print(moe_table(payload) if payload.get("kind") == "moe_traffic" else readme_tables(payload), end="")

@@ -85,6 +85,20 @@ def test_fusions_and_fused_kernels_per_layer(rows):
     assert rows["verl"]["by_op"]["backward"]["npu.npu_moe_token_unpermute_grad_v2.default"]["kernels"] == 1
 
 
+def test_gradients_left_in_a_transposed_layout(rows, config):
+    """Non-contiguous gradients the backward graph returns (AccumulateGrad copies them after the graph, read +
+    write): qwen_npu's dW of gate_up_proj [E, 2I, H] and down_proj [E, H, I] (npu_grouped_matmul group_type=2 on a
+    weight passed as param.transpose(1, 2)); verl's down_proj only (its gate_up gradient is the chunk backward's
+    cat, counted in the graph); transformers' _grouped_mm backward returns both in the parameters' layout."""
+    experts, hidden, inter, b = config.num_experts, config.hidden_size, config.moe_intermediate_size, 2
+    gate_up, down = experts * 2 * inter * hidden * b, experts * hidden * inter * b
+    copies = {name: {k: row["grad_layout_copies"][k] for k in ("tensors", "bytes")} for name, row in rows.items()}
+    assert copies == {"transformers": {"tensors": 0, "bytes": 0}, "verl": {"tensors": 1, "bytes": 2 * down},
+                      "qwen_npu": {"tensors": 2, "bytes": 2 * (gate_up + down)}}
+    cat = rows["verl"]["by_op"]["backward"]["aten.cat.default"]
+    assert (cat["kernels"], cat["bytes_read"], cat["bytes_written"]) == (1, gate_up, gate_up)
+
+
 def test_row_totals_are_the_per_op_sums(rows):
     """The row's columns are the per-op tables' sums (bytes = read + written; roofline = its categories)."""
     for name, row in rows.items():
@@ -104,7 +118,9 @@ def test_modelled_verl_block_matches_verls_own(config):
     from transformers.models.qwen3_moe import modeling_qwen3_moe as modeling
 
     from benchmarks.verl_moe_patch import sparse_moe_block_forward, verl_moe_patches
+    from qwen_npu_compile import ensure_npu_ops
 
+    ensure_npu_ops()
     torch.manual_seed(0)
     block = modeling.Qwen3MoeSparseMoeBlock(config)
     for p in block.parameters():

@@ -261,9 +261,9 @@ def swiglu_cat_inputs(gm: torch.fx.GraphModule) -> dict[str, int]:
 
 def grad_layout_copies(backward: torch.fx.GraphModule) -> dict[str, int]:
     """Gradients the backward graph returns with strides other than contiguous: what ``AccumulateGrad`` copies
-    after the graph (every parameter here is contiguous, and a ``.grad`` that does not obey the parameter's layout
-    is cloned into it: torch ``autograd/functions/accumulate_grad.h``, ``clone_obey_contract``), reading and writing
-    the whole tensor once. Under torchair a non-contiguous graph output is a ``Transpose`` in the GE graph instead:
+    after the graph (every parameter here is contiguous, and a new gradient that does not obey the parameter's layout
+    is cloned into an empty ``.grad``: torch ``autograd/functions/accumulate_grad.h``, ``clone_obey_contract``), reading
+    and writing the whole tensor once (a later micro-batch's in-place add into ``.grad`` reads the view instead). Under torchair a non-contiguous graph output is a ``Transpose`` in the GE graph instead:
     the same bytes, inside the graph. Not in the kernel counts (it runs outside the graph).
 
     E.g. a grouped matmul's dW ``[E, K, N]`` (``group_type=2``) for a weight passed as ``param.transpose(1, 2)``

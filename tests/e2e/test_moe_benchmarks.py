@@ -87,14 +87,14 @@ def test_fusions_and_fused_kernels_per_layer(rows):
 
 def test_gradients_left_in_a_transposed_layout(rows, config):
     """Non-contiguous gradients the backward graph returns (AccumulateGrad copies them after the graph, read +
-    write): qwen_npu's dW of gate_up_proj [E, 2I, H] and down_proj [E, H, I] (npu_grouped_matmul group_type=2 on a
-    weight passed as param.transpose(1, 2)); verl's down_proj only (its gate_up gradient is the chunk backward's
-    cat, counted in the graph); transformers' _grouped_mm backward returns both in the parameters' layout."""
+    write): verl's down_proj only (its gate_up gradient is the chunk backward's cat, counted in the graph);
+    transformers' _grouped_mm backward and qwen_npu's grouped_matmul (dWᵀ by group_type=2 on gᵀ and x for a
+    weight passed as param.transpose(1, 2)) return both in the parameters' layout."""
     experts, hidden, inter, b = config.num_experts, config.hidden_size, config.moe_intermediate_size, 2
     gate_up, down = experts * 2 * inter * hidden * b, experts * hidden * inter * b
     copies = {name: {k: row["grad_layout_copies"][k] for k in ("tensors", "bytes")} for name, row in rows.items()}
     assert copies == {"transformers": {"tensors": 0, "bytes": 0}, "verl": {"tensors": 1, "bytes": 2 * down},
-                      "qwen_npu": {"tensors": 2, "bytes": 2 * (gate_up + down)}}
+                      "qwen_npu": {"tensors": 0, "bytes": 0}}
     cat = rows["verl"]["by_op"]["backward"]["aten.cat.default"]
     assert (cat["kernels"], cat["bytes_read"], cat["bytes_written"]) == (1, gate_up, gate_up)
 

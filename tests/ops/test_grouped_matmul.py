@@ -75,6 +75,26 @@ def test_op_matches_aten_grouped_mm_forward_and_backward(npu_ops, dtype):
         torch.testing.assert_close(ours.grad, theirs.grad, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transposed_weight_gets_its_gradient_in_the_parameters_layout(npu_ops, dtype):
+    """transformers' experts pass ``gate_up_proj.transpose(1, 2)`` (a parameter [E, N, K]): dW is computed
+    as dWᵀ in the parameter's layout (group_type=2 on gᵀ and x), so the parameter's .grad is contiguous (no
+    layout copy after the graph) and equals aten._grouped_mm's."""
+    x, weight, offs = _case(dtype)
+    param = weight.detach().transpose(1, 2).contiguous().requires_grad_()  # [E, N, K], as transformers stores it
+    ref_param, ref_x = param.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
+    x = x.detach().requires_grad_()
+    out = gmm.OP(x, param.transpose(1, 2), offs.long())
+    ref = torch._grouped_mm(ref_x, ref_param.transpose(1, 2), offs=offs)
+    grad = torch.randn_like(ref)
+    out.backward(grad)
+    ref.backward(grad)
+    tol = {} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    assert param.grad.is_contiguous() and param.grad.shape == param.shape
+    torch.testing.assert_close(param.grad, ref_param.grad, **tol)
+    torch.testing.assert_close(x.grad, ref_x.grad, **tol)
+
+
 def test_aot_graphs_hold_the_op_forward_and_npu_grouped_matmul_backward(npu_ops):
     x, weight, offs = _case(torch.bfloat16)
     compiled, graphs = aot_traced(lambda a, w, o: gmm.OP(a, w, o))

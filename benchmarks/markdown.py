@@ -356,7 +356,7 @@ def render_summary(loaded: dict[str, dict], total_seconds: float, command: str) 
     """The markdown summary of whichever result files are present.
 
     Args:
-        loaded: part name (``traffic``/``compile``/``registration``) -> its JSON payload.
+        loaded: part name (``traffic``/``moe``/``compile``/``registration``) -> its JSON payload.
         total_seconds: wall time of this invocation (seconds).
         command: the command line that produced this invocation.
     """
@@ -375,6 +375,8 @@ def render_summary(loaded: dict[str, dict], total_seconds: float, command: str) 
     lines += [f"Part wall times (s): {part_seconds}.", ""]
     if "traffic" in loaded:
         lines += _traffic(loaded["traffic"])
+    if "moe" in loaded:
+        lines += ["## MoE per decoder layer", "", moe_table(loaded["moe"]), ""]
     if "compile" in loaded:
         lines += _compile(loaded["compile"])
     if "registration" in loaded:

@@ -5,8 +5,9 @@ Usage (from the repository root)::
     python -m benchmarks.run --out benchmarks/results          # make bench: real Qwen2.5 shapes
     python -m benchmarks.run --quick --out /tmp/bench-quick    # smoke test: tiny shapes, seconds
 
-Parts (``--parts``, default all): ``traffic`` (kernel_traffic.json), ``compile``
-(compile_cost.json), ``registration`` (registration_cost.json). The markdown summary covers the
+Parts (``--parts``, default all): ``traffic`` (kernel_traffic.json), ``moe`` (moe_traffic.json: MoE
+decoder layers, ``benchmarks/moe_traffic.py``), ``compile`` (compile_cost.json), ``registration``
+(registration_cost.json). The markdown summary covers the
 JSON files present in ``--out``.
 """
 
@@ -22,12 +23,13 @@ if __package__ in (None, ""):  # `python benchmarks/run.py`: make `benchmarks` i
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "benchmarks"  # noqa: A001
 
-from benchmarks import compile_cost, registration, traffic  # noqa: E402
+from benchmarks import compile_cost, moe_traffic, registration, traffic  # noqa: E402
 from benchmarks.common import command_line, progress, run_metadata, write_json  # noqa: E402
 from benchmarks.markdown import render_summary  # noqa: E402
 
 PARTS = {
     "traffic": ("kernel_traffic.json", traffic.run),
+    "moe": ("moe_traffic.json", moe_traffic.run),
     "compile": ("compile_cost.json", compile_cost.run),
     "registration": ("registration_cost.json", registration.run),
 }

@@ -21,7 +21,7 @@ if str(ROOT) not in sys.path:  # plain `pytest` does not put the repository root
 
 from benchmarks import run as bench_run  # noqa: E402
 
-FILES = ("kernel_traffic.json", "compile_cost.json", "registration_cost.json", "summary.md")
+FILES = ("kernel_traffic.json", "moe_traffic.json", "compile_cost.json", "registration_cost.json", "summary.md")
 META_KEYS = {"command", "versions", "npu_ops", "host", "quick", "part_seconds"}
 
 
@@ -61,7 +61,7 @@ def _kernels(layer: dict, op: str) -> int:
 def test_files_and_metadata(results):
     for name, path in results.items():
         assert path.exists(), name
-    for name in FILES[:3]:
+    for name in FILES[:4]:
         data = _load(results, name)
         assert META_KEYS <= set(data["meta"]), name
         assert data["meta"]["quick"] is True
@@ -69,7 +69,8 @@ def test_files_and_metadata(results):
         assert data["meta"]["versions"]["torch"]
         assert "benchmarks.run" in data["meta"]["command"]
     summary = results["summary.md"].read_text()
-    for heading in ("## 1. Kernels and HBM traffic", "## 2. Compile cost", "## 3. Pattern registration"):
+    for heading in ("## 1. Kernels and HBM traffic", "## MoE per decoder layer", "## 2. Compile cost",
+                    "## 3. Pattern registration"):
         assert heading in summary
 
 

@@ -27,7 +27,7 @@ import torch
 
 from .check.harness import DTYPES, run_check
 from .check.table import print_table
-from .config import ALL_FAMILIES, DOWNSTREAMS
+from .config import ALL_FAMILIES, DOWNSTREAMS, dump_dir_problem
 
 
 def positive_int(text: str) -> int:
@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_report.main(args)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    if args.json_path is not None and (problem := json_path_problem(args.json_path)) is not None:
+        print(f"qwen-npu-compile: error: --json {str(args.json_path)!r} {problem}", file=sys.stderr)
+        return 2  # before the check runs: its results would be lost at the end
     try:
         result = run_check(args)
     except (ValueError, MemoryError, TorchairUnavailableError) as exc:
@@ -126,10 +129,26 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print_table(result)
     if args.json_path is not None:
-        args.json_path.parent.mkdir(parents=True, exist_ok=True)
-        args.json_path.write_text(json.dumps(result, indent=2, default=str))
+        try:
+            args.json_path.parent.mkdir(parents=True, exist_ok=True)
+            args.json_path.write_text(json.dumps(result, indent=2, default=str))
+        except OSError as exc:  # e.g. the disk filled up during the check
+            print(f"qwen-npu-compile: error: cannot write --json {str(args.json_path)!r}: {exc}", file=sys.stderr)
+            return 2
         print(f"results written to {args.json_path}")
     return 0 if result["verdict"] == "PASS" else 1
+
+
+def json_path_problem(path: Path) -> str | None:
+    """Why ``check --json FILE`` could not be written at the end of the check, or None: an existing folder,
+    or a parent folder in which no file can be created (:func:`qwen_npu_compile.config.dump_dir_problem`'s
+    probe)."""
+    if path.is_dir():
+        return "is a folder; name a file"
+    problem = dump_dir_problem(path.parent)
+    if problem == "exists and is not a folder":
+        return f"cannot be written: {str(path.parent)!r} is not a folder"
+    return problem
 
 
 if __name__ == "__main__":

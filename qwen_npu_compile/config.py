@@ -184,7 +184,7 @@ def dump_dir_problem(path: Path) -> str | None:
 
     Returns:
         ``"exists and is not a folder"``, ``"cannot be created: <ancestor> is not a folder"`` or
-        ``"cannot be written: <ancestor>: <OS error>"``; None when writable.
+        ``"cannot be written: <ancestor>: creating a file there failed (<OS error>)"``; None when writable.
     """
     if path.exists() and not path.is_dir():
         return "exists and is not a folder"
@@ -196,7 +196,7 @@ def dump_dir_problem(path: Path) -> str | None:
     try:
         handle, probe = tempfile.mkstemp(prefix=".qwen_npu_probe_", dir=existing)
     except OSError as exc:
-        return f"cannot be written: {str(existing)!r}: {exc.strerror or exc}"
+        return f"cannot be written: {str(existing)!r}: creating a file there failed ({exc.strerror or exc})"
     os.close(handle)
     with contextlib.suppress(OSError):
         os.unlink(probe)

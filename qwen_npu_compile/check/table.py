@@ -55,7 +55,7 @@ def print_table(result: dict) -> None:
 #: converters of npu_rms_norm(_backward), npu_add_rms_norm, npu_swiglu(_backward), npu_rotary_mul(_backward),
 #: npu_fusion_attention(_grad)).
 FUSED_GE_OPS = ("RmsNorm", "RmsNormGrad", "AddRmsNorm", "SwiGlu", "SwiGluGrad", "RotaryMul", "RotaryMulGrad",
-                "FlashAttentionScore", "FlashAttentionScoreGrad")
+                "FlashAttentionScore", "FlashAttentionScoreGrad", "GroupedMatmul")
 
 
 def print_ge(ge: dict) -> None:

@@ -265,6 +265,18 @@ def test_check_exits_2_naming_an_unwritable_dump_dir(capsys):
     assert "qwen-npu-compile: error:" in err and UNWRITABLE in err and "cannot be written" in err
 
 
+@pytest.mark.parametrize("where", ["folder", "unwritable"])
+def test_check_exits_2_before_running_when_its_json_file_cannot_be_written(where, tmp_path, capsys, monkeypatch):
+    """``check --json`` names a folder, or a file in a folder no file can be created in: exit 2 up front (the
+    check is never run, so its results are not lost at the end with a traceback)."""
+    monkeypatch.setattr(cli, "run_check", lambda args: pytest.fail("the check ran"))
+    path = str(tmp_path) if where == "folder" else "/proc/qwen_npu_results.json"
+    assert cli.main(["check", "qwen2.5-0.5b", "--layers", "1", "--json", path]) == 2
+    err = capsys.readouterr().err
+    expected = "is a folder; name a file" if where == "folder" else "cannot be written: '/proc': creating a file there failed"
+    assert f"qwen-npu-compile: error: --json {path!r} {expected}" in err, err
+
+
 def test_maybe_compile_refuses_an_unwritable_dump_dir_before_training():
     with pytest.raises(ValueError, match="cannot be written"):
         maybe_compile(tiny_qwen2(num_hidden_layers=1), {"dump_dir": UNWRITABLE}, environ={ENV_COMPILE: "1"})

@@ -114,6 +114,8 @@ def rewrite(gm, example_inputs, config: QwenNpuConfig, status: NpuOpsStatus, dow
     families = list(FusionPasses.from_config(config).enabled)
     report = GraphReport(name=new_graph_name(), simulated=status.simulated, downstream=downstream, families=families)
 
+    # Dynamo's graph first: it is what a canonicalize fallback needs to be debugged with
+    dump.write_graph(config, report, "captured", gm)
     start = time.perf_counter()
     try:
         aten_gm = canonicalize.to_aten_graph(gm, example_inputs)
@@ -124,7 +126,6 @@ def rewrite(gm, example_inputs, config: QwenNpuConfig, status: NpuOpsStatus, dow
         reason = str(exc) if isinstance(exc, canonicalize.CanonicalizationError) else f"{type(exc).__name__}: {exc}"
         return compile_unfused(report, gm, "canonicalize", reason)
     report.seconds["canonicalize"] = time.perf_counter() - start
-    dump.write_graph(config, report, "captured", gm)
     dump.write_graph(config, report, "canonical", aten_gm)
 
     # The fuse and emit stages rewrite aten_gm in place: when one raises (a bug of ours, never the

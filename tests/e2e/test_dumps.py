@@ -76,3 +76,25 @@ def test_each_dump_folder_summarises_only_its_own_graphs(npu_ops, tmp_path):
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [a["graphs"][0]["name"], "summary.json"]
     report = json.loads((tmp_path / "a" / a["graphs"][0]["name"] / "report.json").read_text())
     assert report["variants"] == {"rms_norm_fp32": 1}
+
+
+class _Doubled(torch.autograd.Function):
+    """A custom autograd.Function: its graph compiles unfused at the canonicalize stage."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+def test_a_graph_that_falls_back_at_canonicalize_still_dumps_dynamos_graph(npu_ops, tmp_path):
+    """captured.py is what debugging a canonicalize fallback needs: written before the retrace (found by a tester)."""
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.compile(lambda t: _Doubled.apply(t.sin()), backend="qwen_npu", options={"dump_dir": str(tmp_path)})(x).sum().backward()
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert sorted(p.name for p in folder.iterdir()) == ["aot_backward.py", "aot_forward.py", "captured.py", "report.json"]
+    assert json.loads((folder / "report.json").read_text())["fallback_stage"] == "canonicalize"
+    assert "autograd_function_apply" in (folder / "captured.py").read_text()

@@ -175,7 +175,6 @@ def build_moe_graphs(config, layers: int, variants: Sequence[MoeVariant], tokens
     """
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch import config as functorch_config
-    from torch._functorch.aot_autograd import make_boxed_func
     from transformers.models.qwen3_moe import modeling_qwen3_moe
 
     if len({v.verl for v in variants}) != 1:
@@ -183,13 +182,6 @@ def build_moe_graphs(config, layers: int, variants: Sequence[MoeVariant], tokens
     ensure_npu_ops()
     cfg = with_layers(config, layers)
     captured: dict[str, dict] = {v.name: {"fusions": {}} for v in variants}
-
-    def record(slot: dict, kind: str):
-        def compiler(gm: torch.fx.GraphModule, example_inputs):
-            slot[kind] = gm
-            return make_boxed_func(gm.forward)
-
-        return compiler
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
         fake_mode = torch._guards.detect_fake_mode(example_inputs)
@@ -204,7 +196,8 @@ def build_moe_graphs(config, layers: int, variants: Sequence[MoeVariant], tokens
                 slot["fusions"] = dict(result.fusions)
                 inputs = [*example_inputs, *(fake_mode.from_tensor(c) for c in emit.lift_constants(graph))]
             with functorch_config.patch(force_non_lazy_backward_lowering=True):
-                aot_autograd(fw_compiler=record(slot, "forward"), bw_compiler=record(slot, "backward"))(graph, inputs)
+                aot_autograd(fw_compiler=traffic.recording_compiler(slot, "forward"),
+                             bw_compiler=traffic.recording_compiler(slot, "backward"))(graph, inputs)
         return gm.forward
 
     start = time.perf_counter()

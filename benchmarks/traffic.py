@@ -786,6 +786,17 @@ def explicit_mask_only() -> Iterator[None]:
         yield
 
 
+def recording_compiler(slot: dict, kind: str):
+    """An AOTAutograd forward/backward compiler that keeps the graph it gets in ``slot[kind]`` and runs it as is."""
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    def compiler(gm: torch.fx.GraphModule, example_inputs):
+        slot[kind] = gm
+        return make_boxed_func(gm.forward)
+
+    return compiler
+
+
 def build_graphs(
     config: transformers.Qwen2Config,
     layers: int,
@@ -827,7 +838,6 @@ def build_graphs(
     """
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch import config as functorch_config
-    from torch._functorch.aot_autograd import make_boxed_func
 
     if len({v.capture_key for v in variants}) != 1:
         raise ValueError("variants sharing one capture must agree on the verl patches and the attention mode")
@@ -837,13 +847,6 @@ def build_graphs(
     ensure_npu_ops()
     cfg = with_layers(config, layers)
     captured: dict[str, dict] = {v.name: {"fusions": {}, "refusals": []} for v in variants}
-
-    def record(slot: dict, kind: str):
-        def compiler(gm: torch.fx.GraphModule, example_inputs):
-            slot[kind] = gm
-            return make_boxed_func(gm.forward)
-
-        return compiler
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
         fake_mode = torch._guards.detect_fake_mode(example_inputs)
@@ -859,7 +862,8 @@ def build_graphs(
             # tensor constants become trailing inputs, as in the backend (transformers 4.x's mask scalars)
             inputs = [*example_inputs, *(fake_mode.from_tensor(c) for c in emit.lift_constants(aten_gm))]
             with functorch_config.patch(force_non_lazy_backward_lowering=True):
-                aot_autograd(fw_compiler=record(slot, "forward"), bw_compiler=record(slot, "backward"))(aten_gm, inputs)
+                aot_autograd(fw_compiler=recording_compiler(slot, "forward"),
+                             bw_compiler=recording_compiler(slot, "backward"))(aten_gm, inputs)
         return gm.forward  # both graphs are recorded; Dynamo runs the captured graph once, on fake tensors
 
     start = time.perf_counter()

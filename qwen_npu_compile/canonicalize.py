@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.fx
@@ -134,19 +134,26 @@ def refuse_custom_autograd_functions(gm: torch.fx.GraphModule) -> None:
     Raises:
         CanonicalizationError: naming the function's model source line.
     """
+    for _, node in custom_autograd_function_applies(gm):
+        from .fusion import node_source
+
+        raise CanonicalizationError(
+            f"the graph applies a custom torch.autograd.Function at {node_source(node)}: the pre-dispatch "
+            "retrace would drop its backward (no gradient for what it reads); compiling unfused keeps it"
+        )
+
+
+def custom_autograd_function_applies(gm: torch.fx.GraphModule) -> Iterator[tuple[torch.fx.GraphModule, torch.fx.Node]]:
+    """``(module, node)`` for every ``autograd_function_apply`` HOP node (a custom ``torch.autograd.Function``
+    in Dynamo's graph: ``node.args[0]`` / ``[1]`` are ``get_attr`` nodes of its forward / backward body) in
+    ``gm`` and its submodules; nothing where torch has no such HOP."""
     hop = getattr(torch.ops.higher_order, "autograd_function_apply", None)
     if hop is None:
         return
     for module in gm.modules():
-        if not isinstance(module, torch.fx.GraphModule):
-            continue
-        for node in module.graph.find_nodes(op="call_function", target=hop):
-            from .fusion import node_source
-
-            raise CanonicalizationError(
-                f"the graph applies a custom torch.autograd.Function at {node_source(node)}: the pre-dispatch "
-                "retrace would drop its backward (no gradient for what it reads); compiling unfused keeps it"
-            )
+        if isinstance(module, torch.fx.GraphModule):
+            for node in module.graph.find_nodes(op="call_function", target=hop):
+                yield module, node
 
 
 class CanonicalizationError(RuntimeError):

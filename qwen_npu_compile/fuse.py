@@ -149,14 +149,11 @@ def count_fused_in_captured(gm: torch.fx.GraphModule, families: list[str]) -> di
     """
     from .patterns import get_family_pass
 
-    hop = getattr(torch.ops.higher_order, "autograd_function_apply", None)
     backward_bodies = set()
-    for module in gm.modules():
-        if isinstance(module, torch.fx.GraphModule) and hop is not None:
-            for node in module.graph.find_nodes(op="call_function", target=hop):
-                body = node.args[1] if len(node.args) > 1 else None
-                if isinstance(body, torch.fx.Node) and body.op == "get_attr":
-                    backward_bodies.add(id(getattr(module, body.target, None)))
+    for module, node in canonicalize.custom_autograd_function_applies(gm):
+        body = node.args[1] if len(node.args) > 1 else None
+        if isinstance(body, torch.fx.Node) and body.op == "get_attr":
+            backward_bodies.add(id(getattr(module, body.target, None)))
     names: Counter[str] = Counter()
     for module in gm.modules():
         if isinstance(module, torch.fx.GraphModule) and id(module) not in backward_bodies:

@@ -447,7 +447,6 @@ class _CompiledLayerCall:
     def __call__(self, *args, **kwargs):
         if not self._checked:
             self._check()
-        layer, calls = self.layer, self.record.calls
         token = _RUNNING_LAYER.set(self.record)
         try:
             # a packed micro-batch (integrations/varlen.py): one graph for every T; sp > 1: one split around
@@ -455,7 +454,7 @@ class _CompiledLayerCall:
             with packed_layer_call(args, kwargs):
                 if _passes_cache(kwargs):
                     return self._run_with_cache(args, kwargs)
-                out = self._route(layer, calls, args, kwargs)
+                out = self._route(args, kwargs)
         finally:
             _RUNNING_LAYER.reset(token)
         if not self.record.reports and not self._warned_eager:
@@ -478,8 +477,9 @@ class _CompiledLayerCall:
             )
         return self.layer._call_impl(*args, **kwargs)
 
-    def _route(self, layer: nn.Module, calls, args, kwargs):
+    def _route(self, args, kwargs):
         """Run one call without a KV cache: through the checkpoint when it is on, else compiled."""
+        layer, calls = self.layer, self.record.calls
         if _checkpointing(layer) and _checkpoints_around_call(layer):
             # already inside the checkpoint (older transformers): its function is this compiled call
             if not _in_backward():

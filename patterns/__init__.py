@@ -42,7 +42,8 @@ def get_family_pass(name: str) -> FamilyPass:
     return FAMILIES[name]().make_pass()
 
 
-def expected_fusions(model_config: Any, families: Iterable[str] | None = None, *, per_layer: bool = False) -> dict[str, int]:
+def expected_fusions(model_config: Any, families: Iterable[str] | None = None, *, per_layer: bool = False,
+                     layer_type: str | None = None) -> dict[str, int]:
     """Fusions a model of ``model_config`` must give, per family, in pass order.
 
     Whole model: RMSNorm 2 per decoder layer (4 with Qwen3's q_norm/k_norm) + the final norm,
@@ -54,6 +55,8 @@ def expected_fusions(model_config: Any, families: Iterable[str] | None = None, *
             whole model).
         families: the enabled families (any order); None means all of :data:`FAMILIES`.
         per_layer: count one decoder layer instead of the whole model.
+        layer_type: with ``per_layer``, the layer's kind in a hybrid model (Qwen3.5 / Qwen3-Next:
+            ``"linear_attention"`` or ``"full_attention"``, the config's ``layer_types`` entry).
 
     Returns:
         ``{family: count}`` for the enabled families, e.g. ``{"rms_norm": 5, "swiglu": 2, "rotary": 4,
@@ -67,7 +70,7 @@ def expected_fusions(model_config: Any, families: Iterable[str] | None = None, *
     if unknown:
         raise KeyError(f"unknown fusion famil{'y' if len(unknown) == 1 else 'ies'} {unknown}; known: {list(FAMILIES)}")
     return {
-        name: family.expected_count(model_config, per_layer=per_layer)
+        name: family.expected_count(model_config, per_layer=per_layer, layer_type=layer_type)
         for name, family in FAMILIES.items() if name in enabled
     }  # fmt: skip
 

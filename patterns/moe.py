@@ -391,13 +391,13 @@ class MoeFamily(FusionFamily):
         return {"npu_grouped_matmul": fusions * cls.backward_per_fusion, "npu_swiglu_backward": fusions // cls.per_layer}
 
     @classmethod
-    def expected_per_layer(cls, model_config: Any) -> int:
+    def expected_per_layer(cls, model_config: Any, layer_type: str | None = None) -> int:
         return cls.per_layer if _sparse_layers(model_config) and experts_fusable(model_config) else 0
 
     @classmethod
-    def expected_count(cls, model_config: Any, *, per_layer: bool = False) -> int:
+    def expected_count(cls, model_config: Any, *, per_layer: bool = False, layer_type: str | None = None) -> int:
         if per_layer:
-            return cls.expected_per_layer(model_config)
+            return cls.expected_per_layer(model_config, layer_type)
         return cls.per_layer * len(_sparse_layers(model_config)) if experts_fusable(model_config) else 0
 
     def iter_variants(self):

@@ -226,7 +226,7 @@ class RmsNormFamily(FusionFamily):
     pass_class = RmsNormPass
 
     @classmethod
-    def expected_per_layer(cls, model_config) -> int:
+    def expected_per_layer(cls, model_config, layer_type: str | None = None) -> int:
         """2 per decoder layer, 4 where attention normalises q and k per head (:data:`QK_NORM_MODEL_TYPES`)."""
         return cls.per_layer + (2 if getattr(model_config, "model_type", None) in QK_NORM_MODEL_TYPES else 0)
 

@@ -152,11 +152,11 @@ class SwiGluFamily(FusionFamily):
     per_layer = 1  # the MLP
 
     @classmethod
-    def expected_count(cls, model_config, *, per_layer: bool = False) -> int:
+    def expected_count(cls, model_config, *, per_layer: bool = False, layer_type: str | None = None) -> int:
         from .moe import swiglu_expected  # MoE models: dense MLPs and shared experts; the routed experts are moe's
 
         count = swiglu_expected(model_config, per_layer=per_layer)
-        return super().expected_count(model_config, per_layer=per_layer) if count is None else count
+        return super().expected_count(model_config, per_layer=per_layer, layer_type=layer_type) if count is None else count
 
     def iter_variants(self):
         # The graph is dtype-independent (no casts), so one trace per operand order covers all dtypes.

@@ -79,6 +79,22 @@ class PatternVariant:
     anchor_ops: tuple = ()
 
 
+def layer_kinds(model_config: Any) -> list[str | None]:
+    """Each decoder layer's kind, in order: ``model_config.layer_types[:num_hidden_layers]`` where a hybrid
+    config has them (Qwen3.5 / Qwen3-Next: ``"linear_attention"`` / ``"full_attention"``; transformers
+    5.x also gives uniform models ``layer_types`` of ``"full_attention"`` / ``"sliding_attention"``,
+    which change no fusion count and read as None), else ``[None] * num_hidden_layers``.
+
+    Raises:
+        AttributeError: ``model_config`` has no ``num_hidden_layers``.
+    """
+    layers = model_config.num_hidden_layers
+    kinds = list(getattr(model_config, "layer_types", None) or [])[:layers]
+    if "linear_attention" not in kinds:
+        return [None] * layers
+    return kinds + [None] * (layers - len(kinds))
+
+
 class FusionFamily:
     """Base class of a fusion family; subclass it in ``patterns/<family>.py``. The subclass is the one
     place that declares the family: the registry (``qwen_npu_compile.patterns``), the config's family
@@ -108,9 +124,14 @@ class FusionFamily:
     pass_class: type[FamilyPass] | None = None
 
     @classmethod
-    def expected_per_layer(cls, model_config: Any) -> int:
+    def expected_per_layer(cls, model_config: Any, layer_type: str | None = None) -> int:
         """Fusions one decoder layer of ``model_config`` (a transformers ``PretrainedConfig``) must give;
-        override when it depends on the architecture (Qwen3's q_norm/k_norm)."""
+        override when it depends on the architecture (Qwen3's q_norm/k_norm) or on the layer's kind.
+
+        Args:
+            layer_type: the layer's entry of ``model_config.layer_types`` in hybrid models (Qwen3.5,
+                Qwen3-Next: ``"linear_attention"`` or ``"full_attention"``); None for uniform models.
+        """
         return cls.per_layer
 
     @classmethod
@@ -120,16 +141,18 @@ class FusionFamily:
         return {cls.backward_op_name: fusions * cls.backward_per_fusion} if cls.backward_op_name else {}
 
     @classmethod
-    def expected_count(cls, model_config: Any, *, per_layer: bool = False) -> int:
+    def expected_count(cls, model_config: Any, *, per_layer: bool = False, layer_type: str | None = None) -> int:
         """Fusions a model of ``model_config`` must give: one decoder layer's graph (``per_layer``, as
-        ``maybe_compile`` compiles them) or the whole model's (``num_hidden_layers`` layers + what lies
-        outside them).
+        ``maybe_compile`` compiles them; ``layer_type`` picks the kind in hybrid models) or the whole
+        model's (every decoder layer, by its entry of ``layer_types`` where the config has them, + what
+        lies outside them).
 
         Raises:
             AttributeError: ``model_config`` has no ``num_hidden_layers`` (whole model only).
         """
-        count = cls.expected_per_layer(model_config)
-        return count if per_layer else count * model_config.num_hidden_layers + cls.outside_layers
+        if per_layer:
+            return cls.expected_per_layer(model_config, layer_type)
+        return sum(cls.expected_per_layer(model_config, kind) for kind in layer_kinds(model_config)) + cls.outside_layers
 
     def make_pass(self) -> FamilyPass:
         """A new pass running this family (:attr:`pass_class`, else :class:`FamilyPass`)."""

@@ -33,7 +33,7 @@ import warnings
 import torch
 import torch.fx
 
-from . import compat, dump
+from . import aot_layout, compat, dump
 from .config import QwenNpuConfig
 from .report import FusionError, GraphReport, npu_op_counts
 
@@ -163,6 +163,7 @@ def _recording_compiler(kind: str, report: GraphReport, config: QwenNpuConfig):
     from torch._functorch.aot_autograd import make_boxed_func
 
     def compiler(gm: torch.fx.GraphModule, example_inputs):
+        aot_layout.pin_aot_graph(gm, kind, report)
         report.aot_ops[kind] = npu_op_counts(gm.graph)
         dump.write_graph(config, report, f"aot_{kind}", gm)
         dump.write_report(report, config)
@@ -299,6 +300,7 @@ class _TorchairGuard:
         def compile_aot_graph(gm: torch.fx.GraphModule, example_inputs):
             kind = _aot_kind(gm)
             self.compiled.add(kind)
+            aot_layout.pin_aot_graph(gm, kind, self.report)
             try:
                 compiled = compiler(gm, example_inputs)
             except Exception as exc:  # noqa: BLE001 - a GE conversion failure must not stop training

@@ -10,7 +10,8 @@ folder's ``summary.json``) is :mod:`qwen_npu_compile.dump`'s job.
 ``[{"family", "reason", "source", "node"}]``. Field ``variants`` (added in issue 13):
 ``{variant name: replacements applied}`` for the variants that matched, e.g.
 ``{"rms_norm_half": 5, "swiglu_linear_silu_left": 2}``; per family they add up to ``fusions``.
-Fields ``fallback_stage`` and ``downstream_fallbacks`` (added in issue 21): the stage whose failure made
+Field ``layout_pins`` (added in issue 25): the AOT graph nodes pinned to their traced layout
+(:mod:`qwen_npu_compile.aot_layout`). Fields ``fallback_stage`` and ``downstream_fallbacks`` (added in issue 21): the stage whose failure made
 the graph compile unfused, and every time the downstream backend failed and the graph ran one step
 further down (``torchair`` → ``aot_eager`` → ``eager``; :mod:`qwen_npu_compile.handoff`).
 """
@@ -66,6 +67,10 @@ class GraphReport:
             version, GE op counts per GE graph, every node that failed to convert), else None; a
             ``qwen_npu_compile.torchair_offline.GeResults`` (not imported here: torchair_offline imports
             this module, never the other way round).
+        layout_pins: every node of the AOT graphs whose output was copied to the layout AOTAutograd traced
+            it with, because its eager kernel lays it out otherwise than its fake kernel (a torch bug,
+            :mod:`qwen_npu_compile.aot_layout`): ``{"graph": "forward" | "backward" | "inference", "node",
+            "op", "fake_order", "eager_order", "source"}``.
     """
 
     name: str
@@ -84,6 +89,7 @@ class GraphReport:
     fallback_stage: str | None = None
     downstream_fallbacks: list[dict] = dataclasses.field(default_factory=list)
     ge: object | None = None  # torchair_offline.GeResults
+    layout_pins: list[dict] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict:
         data = dataclasses.asdict(self)

@@ -151,3 +151,38 @@ def run_ge_script(script: str, tmp_path, test_dir: str) -> list:
                           env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests.parent), os.environ.get("PYTHONPATH", "")])))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+#: The tiny hybrid models (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): 4 layers (3 Gated DeltaNet + 1 full attention,
+#: transformers' default ``layer_types``), hidden 128, head_dim 64 (rotary on 16 dims, partial_rotary_factor 0.25).
+_TINY_HYBRID = dict(vocab_size=256, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                    linear_value_head_dim=32, linear_conv_kernel_dim=4, max_position_embeddings=256, use_cache=False)
+_TINY_HYBRID_MOE = dict(moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2)
+
+#: family -> (config class, causal-LM class, extra config), transformers names; Qwen3.5 needs transformers >= 5
+HYBRID_FAMILIES = {
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(intermediate_size=256)),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", _TINY_HYBRID_MOE),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(intermediate_size=256, **_TINY_HYBRID_MOE)),
+}
+
+
+def tiny_hybrid(family: str, dtype=torch.float32, attn: str = "sdpa", seed: int = 0, **kwargs):
+    """A tiny hybrid model of transformers' real modeling code (:data:`HYBRID_FAMILIES`), random weights (``seed``),
+    the RMSNorm weights made random too (transformers initialises the (1+w) norms to 0 and the gated norm to 1,
+    which would hide a wrong weight), in ``dtype``; ``kwargs`` override the config. Skips the test where this
+    transformers has no such model."""
+    import transformers
+
+    config_name, model_name, extra = HYBRID_FAMILIES[family]
+    if not hasattr(transformers, model_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_name)(**{**_TINY_HYBRID, **extra, **kwargs})
+    model = getattr(transformers, model_name)._from_config(config, attn_implementation=attn)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                param.normal_(0.0 if "linear_attn" not in name else 1.0, 0.5)
+    return model.to(dtype)

@@ -9,6 +9,7 @@ from .config import ALL_FAMILIES, QwenNpuConfig
 from .npu_ops import NpuOpsStatus, ensure_npu_ops
 from .report import FusionError, GraphReport, get_reports
 from .integrations.worker import CompiledLayers, maybe_compile
+from .torch_compiler import torch_compile
 
 __all__ = [
     "ALL_FAMILIES",
@@ -20,6 +21,7 @@ __all__ = [
     "ensure_npu_ops",
     "get_reports",
     "maybe_compile",
+    "torch_compile",
 ]
 __version__ = "0.1.0"
 

@@ -52,6 +52,7 @@ import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from .. import torch_compiler
 from .worker import _FSDP1_FIX, ENV_COMPILE, compile_requested, maybe_compile
 
 log = logging.getLogger("qwen_npu_compile")
@@ -123,11 +124,19 @@ def _error(what: str) -> VerlHookError:
 
 
 def _compile_before_wrap(module, where: str) -> None:
+    """``maybe_compile(module)`` (torch's own ``torch.compile``, even under MindSpeed's patch), and two lines.
+
+    At build: how many decoder layers were set to compile (no graph exists yet). At the first forward,
+    once every layer has been called: how many of them produced ``qwen_npu`` graphs, with the cause when
+    not all did. Both at WARNING: verl runs its processes at WARNING (``verl/__init__.py``: ``set_basic_config``).
+    """
     compiled = maybe_compile(module)
     if compiled:
-        # verl runs its processes at WARNING (verl/__init__.py: set_basic_config): say it where it is seen
-        log.warning("qwen_npu: verl %s: %s compiled %d decoder layer(s) of %s before FSDP wrapping",
-                    verl_version(), where, len(compiled), type(module).__name__)
+        replaced = torch_compiler.replaced_by()
+        log.warning("qwen_npu: verl %s: %s set %d decoder layer(s) of %s to compile before FSDP wrapping "
+                    "(graphs at the first forward)%s", verl_version(), where, len(compiled), type(module).__name__,
+                    f"; torch.compile is {replaced}, compiled with torch's own" if replaced else "")
+        compiled.announce_first_pass(logging.WARNING, f"verl {verl_version()}: {where} ")
 
 
 def _refuse_flat_parameters(engine) -> None:

@@ -9,7 +9,8 @@ model build, after the model is created and before FSDP wraps it::
     qwen_npu_compile.maybe_compile(model)              # no-op unless QWEN_NPU_COMPILE=1
     fully_shard(layer) for each layer; fully_shard(model)   # or FSDP(model, use_orig_params=True)
 
-:func:`maybe_compile` compiles each decoder layer *in place* with ``nn.Module.compile`` and the
+:func:`maybe_compile` compiles each decoder layer *in place* (as ``nn.Module.compile`` does, but with torch's
+own ``torch.compile`` even where MindSpeed replaced it: :mod:`qwen_npu_compile.torch_compiler`) and the
 ``qwen_npu`` backend: the modules keep their classes and the model keeps its state-dict keys, so FSDP
 wrap policies (which find layers by class name), checkpoints and rollout weight sync are unaffected.
 All layers share one compiled graph (Dynamo caches the layer's code once, its parameters are graph
@@ -34,7 +35,9 @@ The backend given to ``compile`` is ``qwen_npu`` (:func:`qwen_npu_compile.backen
 behind a thin wrapper, one per process: every call of a compiled graph is attributed to the layer
 running it, so :func:`layer_reports` (or
 :meth:`CompiledLayers.reports`) says, per decoder layer, which :class:`~qwen_npu_compile.GraphReport`
-it ran; a layer that ran without one (Dynamo fell back to eager) is logged once.
+it ran; a layer that ran without one is logged once, naming the cause (compilation disabled,
+a layer call Dynamo did not compile, or Dynamo's fallback to eager), and an error in strict mode when the
+cause is the setup. When every layer has been called once, one line says how many produced graphs.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from .. import compat
+from .. import compat, torch_compiler
 from ..config import QwenNpuConfig, parse_bool
 from ..report import SUMMARY, GraphReport
 from .varlen import packed_layer_call
@@ -149,6 +152,7 @@ class CompiledLayers(list):
         super().__init__(record.name for record in records)
         self.records: dict[str, LayerRecord] = {record.name: record for record in records}
         self.varlen: list[str] = []
+        self.compiler: _Compiler | None = None
 
     def reports(self) -> dict[str, list[GraphReport]]:
         """Layer name -> the graph reports it has run so far."""
@@ -161,6 +165,20 @@ class CompiledLayers(list):
             for name, record in self.records.items()
             if not record.reports and (record.calls["compiled"] or record.calls["checkpointed"])
         ]
+
+    def with_graphs(self) -> list[str]:
+        """Layers that have run at least one ``qwen_npu`` graph so far."""
+        return [name for name, record in self.records.items() if record.reports]
+
+    def announce_first_pass(self, level: int, prefix: str) -> None:
+        """Log the line "N of M decoder layer(s) ... produced qwen_npu graphs" at ``level``, after ``prefix``.
+
+        The line is logged once, when every layer of this result has been called (without a KV cache);
+        by default at INFO with no prefix. The verl hook raises it to WARNING (verl's log level) and names
+        the engine. No effect on a result that compiled nothing.
+        """
+        if self.compiler is not None:
+            self.compiler.first_pass_level, self.compiler.first_pass_prefix = level, prefix
 
 
 #: The layer whose call is running, so that the compiled graphs it runs are attributed to it.
@@ -342,10 +360,35 @@ def _fsdp1_message(where: str) -> str:
 class _Compiler:
     """The compile settings of one :func:`maybe_compile` call, shared by its layers."""
 
-    def __init__(self, options: dict | None) -> None:
+    def __init__(self, options: dict | None, strict: bool = False) -> None:
         self.options = options
+        self.strict = strict
         self._functions: dict[object, object] = {}
         self._warned_uncompilable = False
+        self.records: list[LayerRecord] = []
+        self.model_name = "the model"
+        self.first_pass_level = logging.INFO
+        self.first_pass_prefix = ""
+        self._first_pass_done = False
+
+    def compile(self, function):
+        """``function`` compiled by torch's own ``torch.compile`` (never a replacement such as MindSpeed's)."""
+        return torch_compiler.original_torch_compile()(function, **self.compile_kwargs())
+
+    def after_call(self) -> None:
+        """Once every layer has been called: log how many produced ``qwen_npu`` graphs (and why not, if not)."""
+        if self._first_pass_done:
+            return
+        if not all(record.calls["compiled"] or record.calls["checkpointed"] for record in self.records):
+            return
+        self._first_pass_done = True
+        with_graphs = sum(1 for record in self.records if record.reports)
+        missing = "" if with_graphs == len(self.records) else f" ({_no_graph_cause(None)[0]})"
+        log.log(
+            self.first_pass_level if with_graphs == len(self.records) else max(self.first_pass_level, logging.WARNING),
+            "qwen_npu: %s%d of %d decoder layer(s) of %s produced qwen_npu graphs at their first call%s",
+            self.first_pass_prefix, with_graphs, len(self.records), self.model_name, missing,
+        )
 
     def compile_kwargs(self) -> dict:
         return {"backend": _BACKEND, "options": self.options} if self.options else {"backend": _BACKEND}
@@ -367,7 +410,7 @@ class _Compiler:
             return function
         compiled = self._functions.get(target)
         if compiled is None:
-            compiled = self._functions[target] = torch.compile(target, **self.compile_kwargs())
+            compiled = self._functions[target] = self.compile(target)
         if isinstance(function, functools.partial):
             return functools.partial(compiled, *function.args, **function.keywords)
         return compiled
@@ -459,10 +502,12 @@ class _CompiledLayerCall:
             _RUNNING_LAYER.reset(token)
         if not self.record.reports and not self._warned_eager:
             self._warned_eager = True
-            log.warning(
-                "qwen_npu: decoder layer %s ran without a qwen_npu graph (Dynamo fell back to eager: "
-                "recompile limit or graph break; run with TORCH_LOGS=recompiles,graph_breaks)", self.record.name,
-            )
+            cause, setup = _no_graph_cause(self.compiled)
+            message = f"qwen_npu: decoder layer {self.record.name} ran without a qwen_npu graph ({cause})"
+            if setup and self.compiler.strict:
+                raise RuntimeError(f"{message} [strict]")
+            log.warning("%s", message)
+        self.compiler.after_call()
         return out
 
     def _run_with_cache(self, args, kwargs):
@@ -498,6 +543,26 @@ class _CompiledLayerCall:
         return out
 
 
+def _no_graph_cause(compiled) -> tuple[str, bool]:
+    """Why a layer ran without a ``qwen_npu`` graph: ``(cause, whether the setup caused it)``.
+
+    ``compiled`` is the layer's compiled call (None: judge by the environment only).
+    """
+    disabled = torch_compiler.compile_disabled()
+    if disabled:
+        return f"compilation is disabled: {disabled}; nothing is compiled or fused", True
+    if compiled is not None and not torch_compiler.is_dynamo_compiled(compiled):
+        replaced = torch_compiler.replaced_by()
+        return (
+            f"its call {torch_compiler.describe(compiled)} was not compiled by Dynamo"
+            + (f"; torch.compile is {replaced}, not torch's own (MindSpeed?): compile with "
+               "qwen_npu_compile.maybe_compile or qwen_npu_compile.torch_compile" if replaced else ""),
+            True,
+        )
+    return ("Dynamo fell back to eager: recompile limit or graph break; run with "
+            "TORCH_LOGS=recompiles,graph_breaks"), False
+
+
 # --------------------------------------------------------------------------------------------------
 # the entry point
 
@@ -511,9 +576,11 @@ def maybe_compile(
     """Compile each decoder layer of ``model`` in place with the ``qwen_npu`` backend, if asked to.
 
     Asked to means ``QWEN_NPU_COMPILE`` is ``1``/``true``/``yes``/``on``; when it is unset or
-    ``0``/``false``/``no``/``off`` (or empty) nothing is touched. Each layer gets
-    ``layer.compile(backend=qwen_npu, options=options)``: classes, module names and state-dict keys
-    are unchanged. Call it before FSDP wrapping (FSDP2 ``fully_shard`` per layer, or FSDP1 with
+    ``0``/``false``/``no``/``off`` (or empty) nothing is touched. Each layer gets what
+    ``layer.compile(backend=qwen_npu, options=options)`` would give it, compiled by torch's own
+    ``torch.compile`` even where MindSpeed replaced ``torch.compile`` with its ``dummy_compile``
+    (:func:`qwen_npu_compile.torch_compiler.original_torch_compile`; one INFO line names the replacement):
+    classes, module names and state-dict keys are unchanged. Call it before FSDP wrapping (FSDP2 ``fully_shard`` per layer, or FSDP1 with
     ``use_orig_params=True``); after wrapping works too, except FSDP1 with ``use_orig_params=False``.
     Calling it twice leaves already-compiled layers as they are.
 
@@ -531,6 +598,13 @@ def maybe_compile(
     Raises:
         ValueError: ``QWEN_NPU_COMPILE`` has another value; ``options`` are invalid; no decoder layers
             are found; ``model`` holds FSDP1 units built with ``use_orig_params=False``.
+        RuntimeError: ``torch.compile`` is replaced and torch's own cannot be found (the message says how to
+            put it back).
+
+    A layer that runs without a ``qwen_npu`` graph logs a warning naming the cause; when the cause is the
+    setup (compilation disabled by ``torch._dynamo.config.disable`` / ``TORCHDYNAMO_DISABLE=1`` /
+    ``set_stance("force_eager")``, or a layer call Dynamo did not compile) and ``strict`` is on, it raises
+    ``RuntimeError`` instead.
     """
     if not compile_requested(environ):
         log.debug("qwen_npu: %s is not set to 1; model left uncompiled", ENV_COMPILE)
@@ -541,13 +615,17 @@ def maybe_compile(
     if flat:
         raise ValueError(_fsdp1_message(f"the model (FSDP1 unit(s) {flat[:3]}{'...' if len(flat) > 3 else ''})"))
     layers = find_decoder_layers(model)
-    compiler = _Compiler(dict(options) if options else None)
+    compiler = _Compiler(dict(options) if options else None, strict=config.strict)
+    compiler.model_name = type(model).__name__
+    torch_compiler.original_torch_compile()  # fails before any layer is touched; logs a replaced torch.compile
     records = []
+    earlier: _Compiler | None = None  # of layers an earlier call compiled (kept as they are)
     for name, layer in layers:
         name = clean_name(name)
         existing = layer._compiled_call_impl
         if isinstance(existing, _CompiledLayerCall):
             records.append(existing.record)
+            earlier = earlier or existing.compiler
             continue
         if _has_flat_parameters(layer, had_parameters=False):
             raise ValueError(_fsdp1_message(f"decoder layer {name!r}"))
@@ -555,17 +633,20 @@ def maybe_compile(
             log.warning("qwen_npu: decoder layer %s was already compiled (%r); recompiling it with qwen_npu",
                         name, existing)
         record = LayerRecord(name=name, class_name=_layer_class_name(layer))
-        layer.compile(**compiler.compile_kwargs())
-        layer._compiled_call_impl = _CompiledLayerCall(layer, record, layer._compiled_call_impl, compiler)
+        # what nn.Module.compile does, without looking torch.compile up (MindSpeed replaces it)
+        compiled = compiler.compile(layer._call_impl)
+        layer._compiled_call_impl = _CompiledLayerCall(layer, record, compiled, compiler)
         records.append(record)
+        compiler.records.append(record)
     result = CompiledLayers(records)
+    result.compiler = compiler if compiler.records else earlier
     if "attention" in config.fusions:
         from . import varlen  # packed micro-batches: offsets once per micro-batch, varlen attention
 
         result.varlen = varlen.install(model)
     classes = sorted({record.class_name for record in records})
     log.info(
-        "qwen_npu: %s=1: compiled %d decoder layer(s) of %s in place (%s)%s",
+        "qwen_npu: %s=1: set %d decoder layer(s) of %s to compile in place (%s; graphs at their first call)%s",
         ENV_COMPILE, len(result), type(model).__name__, ", ".join(classes),
         f" with options {dict(options)}" if options else "",
     )

@@ -32,6 +32,8 @@ import qwen_npu_compile.verl as hook
 from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.worker import ENV_COMPILE, layer_reports
 
+from mindspeed_stand_in import DUMMY, write_stand_in
+
 ROOT = Path(__file__).resolve().parents[2]
 PER_LAYER = expected_fusions(transformers.Qwen2Config(), per_layer=True)  # one Qwen2 decoder layer graph
 VERL_INSTALLED = importlib.util.find_spec("verl") is not None
@@ -360,6 +362,11 @@ SCENARIOS = {
                           "gradient_checkpointing": False},
 }
 TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2}  # relative: max|on - off| / max|off|
+#: the hook's two lines per trained model: at the build, and when every layer has run once
+BUILD_LINE = ("qwen_npu: verl 0.9.1: FSDPEngineWithLMHead._build_fsdp_module: set 2 decoder layer(s) of "
+              "Qwen2ForCausalLM to compile before FSDP wrapping (graphs at the first forward)")
+GRAPHS_LINE = ("qwen_npu: verl 0.9.1: FSDPEngineWithLMHead._build_fsdp_module: 2 of 2 decoder layer(s) of "
+               "Qwen2ForCausalLM produced qwen_npu graphs at their first call")
 
 
 def run_engine(tmp_path: Path, name: str, env: dict, scenarios: list[str]) -> dict:
@@ -376,6 +383,7 @@ def run_engine(tmp_path: Path, name: str, env: dict, scenarios: list[str]) -> di
 def engine_runs(tmp_path_factory):
     """The same verl engine runs with QWEN_NPU_COMPILE unset, and set by the two env-only routes."""
     tmp = tmp_path_factory.mktemp("verl_engine")
+    stand_in = write_stand_in(tmp / "mindspeed_site")
     all_runs = list(SCENARIOS)
     return {
         "off": run_engine(tmp, "off", {"VERL_USE_EXTERNAL_MODULES": "qwen_npu_compile.verl"}, all_runs),
@@ -384,6 +392,11 @@ def engine_runs(tmp_path_factory):
         # actor_rollout_ref.model.external_lib: HFModelConfig imports the module, no VERL_USE_EXTERNAL_MODULES
         "external_lib": run_engine(tmp, "external_lib", {ENV_COMPILE: "1", "VERL_ENGINE_RUN_EXTERNAL_LIB": "1"},
                                    ["fsdp2_fp32"]),
+        # MindSpeed (tests/e2e/mindspeed_stand_in.py) replaced torch.compile before our hook was imported / after
+        **{f"mindspeed_{order}": run_engine(tmp, f"mindspeed_{order}", {
+            "VERL_USE_EXTERNAL_MODULES": "qwen_npu_compile.verl", ENV_COMPILE: "1", "VERL_ENGINE_RUN_MINDSPEED": order,
+            "PYTHONPATH": os.pathsep.join([str(stand_in), *filter(None, [os.environ.get("PYTHONPATH")])])},
+            [scenario]) for order, scenario in (("before", "fsdp2_bf16_checkpointing"), ("after", "fsdp2_fp32"))},
     }
 
 
@@ -425,6 +438,25 @@ def test_verl_engine_compiles_fuses_and_matches_the_unset_run(engine_runs, scena
     assert_every_layer_fused(on, "checkpointed" if settings["gradient_checkpointing"] else "compiled", 4)
     assert_matches(on, off, settings["param_dtype"])
     assert on["state_dict_keys"] == off["state_dict_keys"]
+    assert on["hook_log"] == [BUILD_LINE, GRAPHS_LINE]
+    assert on["torch_compile"] == off["torch_compile"] == "torch.compile"
+
+
+@pytest.mark.verl
+@needs_verl
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_verl_engine_under_mindspeed_fuses_exactly_as_without_it(engine_runs, order):
+    """MindSpeed's dummy_compile in place of torch.compile (imported before our hook, or after it as verl's
+    engine package does): every layer fuses exactly as without it, and the run matches the unset one."""
+    scenario = "fsdp2_bf16_checkpointing" if order == "before" else "fsdp2_fp32"
+    on = engine_runs[f"mindspeed_{order}"]["results"][scenario]
+    off = engine_runs["off"]["results"][scenario]
+    assert "error" not in on, on.get("error")
+    assert on["torch_compile"] == DUMMY
+    settings = SCENARIOS[scenario]
+    assert_every_layer_fused(on, "checkpointed" if settings["gradient_checkpointing"] else "compiled", 4)
+    assert_matches(on, off, settings["param_dtype"])
+    assert on["hook_log"] == [BUILD_LINE + f"; torch.compile is {DUMMY}, compiled with torch's own", GRAPHS_LINE]
 
 
 @pytest.mark.verl
@@ -432,8 +464,9 @@ def test_verl_engine_compiles_fuses_and_matches_the_unset_run(engine_runs, scena
 def test_verl_engine_logs_the_compile_once_per_model(engine_runs):
     lines = [line for line in engine_runs["on"]["log"].splitlines() if "before FSDP wrapping" in line]
     assert len(lines) == 3, lines  # the two that train, and the reference model (the refused one stops before)
-    assert all("qwen_npu: verl 0.9.1: FSDPEngineWithLMHead._build_fsdp_module: compiled 2 decoder layer(s) "
-               "of Qwen2ForCausalLM" in line for line in lines), lines
+    assert all(line.endswith(BUILD_LINE) for line in lines), lines
+    graphs = [line for line in engine_runs["on"]["log"].splitlines() if "produced qwen_npu graphs" in line]
+    assert len(graphs) == 2 and all(line.endswith(GRAPHS_LINE) for line in graphs), graphs  # the two that train
     assert not [line for line in engine_runs["off"]["log"].splitlines() if "qwen_npu" in line]
 
 
@@ -452,8 +485,7 @@ def test_verl_reference_model_build_is_compiled_before_fsdp(engine_runs):
     cpu_limit = "Cannot access accelerator device when none is available"
     assert cpu_limit in off["error"] and cpu_limit in on["error"]  # fully_shard's pin_memory, with or without us
     assert off["hook_log"] == []
-    assert on["hook_log"] == ["qwen_npu: verl 0.9.1: FSDPEngineWithLMHead._build_fsdp_module: compiled 2 decoder "
-                              "layer(s) of Qwen2ForCausalLM before FSDP wrapping"]
+    assert on["hook_log"] == [BUILD_LINE]  # it stops in fully_shard, before any forward
 
 
 @pytest.mark.verl

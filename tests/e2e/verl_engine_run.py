@@ -18,7 +18,11 @@ them; with ``QWEN_NPU_DOWNSTREAM=torchair``, off-NPU, their GE graphs' fused ops
 or the error raised, and the hook's log lines.
 
 Set ``VERL_ENGINE_RUN_EXTERNAL_LIB=1`` to name ``qwen_npu_compile.verl`` in the model config's
-``external_lib`` (verl's other route) instead of ``VERL_USE_EXTERNAL_MODULES``.
+``external_lib`` (verl's other route) instead of ``VERL_USE_EXTERNAL_MODULES``. Set
+``VERL_ENGINE_RUN_MINDSPEED=before`` (or ``after``) to import ``mindspeed.megatron_adaptor`` (the stand-in of
+tests/e2e/mindspeed_stand_in.py, on ``PYTHONPATH``) before ``import verl`` (so before our hook) or right after
+it, as verl's engine package does where MindSpeed is installed: ``torch.compile`` is MindSpeed's
+``dummy_compile`` for the whole run (``OUT.json``: ``torch_compile``).
 
 verl picks its device through its platform registry (``verl.plugin.platform``); a CPU has none, so
 this script sets a CPU platform with ``set_platform`` before verl's engine module is imported (it
@@ -40,8 +44,13 @@ import torch
 import torch.distributed as dist
 
 EXTERNAL_LIB = os.environ.pop("VERL_ENGINE_RUN_EXTERNAL_LIB", "") == "1"
+MINDSPEED = os.environ.pop("VERL_ENGINE_RUN_MINDSPEED", "")
 
+if MINDSPEED == "before":
+    import mindspeed.megatron_adaptor  # noqa: E402,F401  (replaces torch.compile with dummy_compile)
 import verl  # noqa: E402  (imports VERL_USE_EXTERNAL_MODULES)
+if MINDSPEED == "after":
+    import mindspeed.megatron_adaptor  # noqa: E402,F401
 from verl.plugin.platform import set_platform  # noqa: E402
 from verl.plugin.platform.platform_base import PlatformBase  # noqa: E402
 
@@ -168,14 +177,15 @@ def full(tensor) -> torch.Tensor:
 
 
 class HookLog(logging.Handler):
-    """The hook's "compiled ... before FSDP wrapping" lines of the running scenario."""
+    """The hook's lines of the running scenario: "... before FSDP wrapping" (the build) and "... produced
+    qwen_npu graphs" (the first forward)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lines: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        if "before FSDP wrapping" in record.getMessage():
+        if "before FSDP wrapping" in record.getMessage() or "produced qwen_npu graphs" in record.getMessage():
             self.lines.append(record.getMessage())
 
 
@@ -237,6 +247,7 @@ def run(settings: dict, model_dir: str) -> dict:
     }
     return {
         "verl_version": verl.__version__,
+        "torch_compile": f"{torch.compile.__module__}.{torch.compile.__qualname__}",
         "hook_imported_by": "VERL_USE_EXTERNAL_MODULES" if HOOK_IMPORTED_BY_VERL else
                             ("external_lib" if "qwen_npu_compile.verl" in sys.modules else None),
         "losses": losses,

@@ -71,7 +71,13 @@ aten = torch.ops.aten
 log = logging.getLogger(__name__)
 
 #: transformers model types whose sparse layers hold ``@use_experts_implementation`` experts (tf >= 5).
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
+#: MoE models whose sparse block adds a shared expert (an MLP, SwiGLU) under a sigmoid gate: transformers
+#: ``Qwen2MoeSparseMoeBlock``, ``Qwen3NextSparseMoeBlock``, ``Qwen3_5MoeSparseMoeBlock`` (5.24)
+SHARED_EXPERT_MODEL_TYPES = ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
+#: MoE models whose every decoder layer is sparse (no ``decoder_sparse_step`` / ``mlp_only_layers``):
+#: transformers 5.24 ``Qwen3_5MoeDecoderLayer``
+ALL_SPARSE_MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
 #: The ``experts_implementation`` values whose graph this family fuses (None: transformers' default, grouped_mm).
 FUSED_IMPLEMENTATIONS = (None, "grouped_mm")
 
@@ -143,9 +149,12 @@ def _examples():
 
 def _sparse_layers(config: Any) -> list[int]:
     """Indices of the decoder layers whose MLP is the sparse MoE block (transformers ``Qwen3MoeDecoderLayer``
-    / ``Qwen2MoeDecoderLayer``: not in ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``)."""
+    / ``Qwen2MoeDecoderLayer`` / ``Qwen3NextDecoderLayer``: not in ``mlp_only_layers`` and
+    ``(i + 1) % decoder_sparse_step == 0``; every layer of Qwen3.5-MoE)."""
     if getattr(config, "model_type", None) not in MOE_MODEL_TYPES or not getattr(config, "num_experts", 0):
         return []
+    if config.model_type in ALL_SPARSE_MODEL_TYPES:
+        return list(range(config.num_hidden_layers))
     step = getattr(config, "decoder_sparse_step", 1) or 1
     only_mlp = set(getattr(config, "mlp_only_layers", None) or ())
     return [i for i in range(config.num_hidden_layers) if i not in only_mlp and (i + 1) % step == 0]
@@ -163,12 +172,12 @@ def experts_fusable(config: Any) -> bool:
 
 def swiglu_expected(config: Any, *, per_layer: bool) -> int | None:
     """The swiglu family's count for a MoE ``config`` (None for any other model): the dense MLPs
-    (``mlp_only_layers``, ``decoder_sparse_step``) and Qwen2-MoE's shared expert; the routed experts'
-    activation is counted here, in the moe family, when :func:`experts_fusable`."""
+    (``mlp_only_layers``, ``decoder_sparse_step``) and the shared expert (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE);
+    the routed experts' activation is counted here, in the moe family, when :func:`experts_fusable`."""
     if getattr(config, "model_type", None) not in MOE_MODEL_TYPES:
         return None
     sparse = _sparse_layers(config)
-    shared = 1 if config.model_type == "qwen2_moe" and getattr(config, "shared_expert_intermediate_size", 0) else 0
+    shared = 1 if config.model_type in SHARED_EXPERT_MODEL_TYPES and getattr(config, "shared_expert_intermediate_size", 0) else 0
     if per_layer:  # one sparse layer's graph (maybe_compile)
         return shared if sparse else 1
     return (config.num_hidden_layers - len(sparse)) + shared * len(sparse)

@@ -21,12 +21,13 @@ from qwen_npu_compile.fusion import FamilyPass, FusionFamily
 from .attention import AttentionFamily
 from .moe import MoeFamily
 from .rms_norm import RmsNormFamily
+from .rms_norm_gated import RmsNormGatedFamily
 from .rotary import RotaryFamily
 from .swiglu import SwiGluFamily
 
 #: Every fusion family, in pass order (a family may rewrite what a later one matches).
 FAMILIES: dict[str, type[FusionFamily]] = {
-    family.name: family for family in (RmsNormFamily, MoeFamily, SwiGluFamily, RotaryFamily, AttentionFamily)
+    family.name: family for family in (RmsNormGatedFamily, RmsNormFamily, MoeFamily, SwiGluFamily, RotaryFamily, AttentionFamily)
 }
 
 

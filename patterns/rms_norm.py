@@ -30,6 +30,52 @@ The kernel returns x's dtype, while HF promotes ``fp32 weight * bf16`` to fp32: 
 the result to the promoted dtype (the kernel computes in fp32 and rounds once, about 1 ulp from HF,
 which rounds before the weight multiply). The anchor is ``aten.rsqrt``.
 
+**(1 + w) RMSNorm** (transformers 5.24.0 ``models/qwen3_5/modeling_qwen3_5.py`` ``Qwen3_5RMSNorm``, the same in
+``qwen3_5_moe`` and ``qwen3_next``, and Qwen3-Next in 4.57.6): the weight is initialised to zeros and applied
+as ``1 + w``, everything in fp32, one cast at the end::
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        output = self._norm(x.float())
+        output = output * (1.0 + self.weight.float())
+        return output.type_as(x)
+
+FX before (bf16; in fp32 the two ``to`` casts are no-ops and are removed)::
+
+    to = aten.to.dtype(x, torch.float32)
+    pow_1 = aten.pow.Tensor_Scalar(to, 2)
+    mean = aten.mean.dim(pow_1, [-1], True)
+    add = aten.add.Tensor(mean, eps)
+    rsqrt = aten.rsqrt.default(add)
+    mul = aten.mul.Tensor(to, rsqrt)
+    to_1 = aten.to.dtype(weight, torch.float32)               # outside the pattern: its ``weight`` input
+    add_1 = aten.add.Tensor(to_1, 1.0)
+    mul_1 = aten.mul.Tensor(mul, add_1)
+    out = aten.type_as.default(mul_1, x)
+
+FX after::
+
+    add_1 = aten.add.Tensor(to_1, 1.0)                        # gamma = 1 + w, fp32, on the [H] vector
+    npu_rms_norm = npu.npu_rms_norm.default(x, add_1, eps)    # (bf16, fp32) or (fp32, fp32)
+    out = operator.getitem(npu_rms_norm, 0)
+
+That is verl 0.9.1 ``npu_patch``'s ``npu_rms_norm(x, 1 + w, eps)``, without its ``x.float()`` copy: the
+kernel takes a bf16/fp16 x with an fp32 gamma, computes in fp32 and rounds once to x's dtype, exactly what
+``type_as(x)`` does after HF's fp32 computation. The ``1 + w`` add stays an ATen op on an ``[H]`` vector,
+so the gradient of w flows through it. **Not** ``npu_gemma_rms_norm`` (the (1+gamma) kernel): torch_npu
+2.13.0 has it forward only (``npu_native_functions_by_codegen.yaml``: no ``npu_gemma_rms_norm_backward``,
+no autograd), its torchair has no converter for it (nothing under ``_ge_concrete_graph/ge_converter``),
+and its docs take gamma in x's dtype only and refuse non-contiguous input (the q_norm's input is a
+``chunk`` of q_proj's output). The weight variant's ``weight`` input is whatever feeds ``add(·, 1.0)``
+(``w.float()``, or ``w`` itself where it is already fp32), so one trace covers bf16 and fp32 weights.
+
+The norm inside Qwen3.5's *gated* RMSNorm (``Qwen3_5RMSNormGated``: ``weight * norm(h).to(dtype)``, then
+``* silu(gate.float())``) is the ``rms_norm_gated`` family's (``patterns/rms_norm_gated.py``), which runs
+before this one; where it did not fuse (disabled, refused) this family refuses that norm too, so that the
+counts stay those of :meth:`RmsNormFamily.expected_per_layer`.
+
 Inference graphs (:func:`~qwen_npu_compile.fusion.graph_needs_autograd` is False): after the pattern pass, a fused norm whose
 input is the residual add ``x1 + x2`` becomes ``npu_add_rms_norm`` (:func:`fuse_residual_adds`)::
 
@@ -73,6 +119,11 @@ log = logging.getLogger(__name__)
 #: (transformers ``models/qwen3/modeling_qwen3.py`` ``Qwen3Attention``).
 QK_NORM_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe"})
 
+#: ``model_type`` values of the hybrid models whose norms are ``(1 + w)`` RMSNorms (transformers 5.24.0
+#: ``Qwen3_5RMSNorm``, ``Qwen3_5MoeRMSNorm``, ``Qwen3NextRMSNorm``): 2 per decoder layer, and q_norm/k_norm
+#: in the full-attention layers; the linear-attention layers' gated norm is ``rms_norm_gated``'s.
+ONE_PLUS_WEIGHT_MODEL_TYPES = frozenset({"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"})
+
 
 def _search(x, weight, eps):
     input_dtype = x.dtype
@@ -93,6 +144,19 @@ def _replace(x, weight, eps):
     promoted = torch.promote_types(x.dtype, weight.dtype)
     # HF returns weight * x.to(input_dtype): fp32 when a bf16/fp16 input meets an fp32 weight.
     return out if promoted == out.dtype else out.to(promoted)
+
+
+def _search_one_plus(x, weight, eps):
+    hidden = x.to(torch.float32)
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    hidden = hidden * (1.0 + weight)
+    return hidden.type_as(x)
+
+
+def _replace_one_plus(x, weight, eps):
+    constant = _EPS_CONSTANT.get()
+    # gamma = 1 + w in w's dtype (fp32 after HF's .float()); the kernel rounds once to x's dtype, as type_as
+    return torch.ops.npu.npu_rms_norm.default(x, 1.0 + weight, eps if constant is None else constant)[0]
 
 
 def check_rms_norm(x, weight) -> str | None:
@@ -135,6 +199,31 @@ def _matched_eps(match):
 
 
 def _check(match) -> str | None:
+    reason = _gated_norm_reason(match)
+    if reason is not None:
+        return reason
+    return _check_norm(match)
+
+
+def _check_one_plus(match) -> str | None:
+    """The (1 + w) variants: the kernel's limits on (x, gamma = 1 + weight), gamma in weight's dtype."""
+    return _check_norm(match)
+
+
+def _gated_norm_reason(match) -> str | None:
+    """A reason when the matched ``weight * norm(x)`` is the norm of a gated RMSNorm (its output times
+    ``silu(...)``, ``Qwen3_5RMSNormGated``): that one is ``rms_norm_gated``'s, whole or not at all."""
+    for out in match.output_nodes():
+        for user in getattr(out, "users", ()):
+            if user.target is aten.mul.Tensor and any(
+                isinstance(arg, torch.fx.Node) and arg.target is aten.silu.default for arg in user.args
+            ):
+                return ("the norm of a gated RMSNorm (times silu(gate), Qwen3_5RMSNormGated): "
+                        "left whole to the rms_norm_gated family")
+    return None
+
+
+def _check_norm(match) -> str | None:
     # eps must be npu_rms_norm's Python float epsilon (a tensor variance_epsilon is read only when constant)
     eps, reason = scalar_argument("npu_rms_norm", "epsilon", _matched_eps(match))
     if reason is not None:
@@ -180,6 +269,8 @@ def fuse_residual_adds(graph: torch.fx.Graph) -> int:
         if reason is not None:
             log.debug("qwen_npu: rms_norm at %s stays npu_rms_norm: %s", node_source(add), reason)
             continue
+        if not _hoist_before(gamma, add):
+            continue
         fake_mode = torch._guards.detect_fake_mode(values)
         with graph.inserting_before(add):
             fused = graph.call_function(torch.ops.npu.npu_add_rms_norm.default, (x1, x2, gamma, eps))
@@ -197,6 +288,34 @@ def fuse_residual_adds(graph: torch.fx.Graph) -> int:
         graph.erase_node(add)
         merged += 1
     return merged
+
+
+def _hoist_before(node, anchor: torch.fx.Node) -> bool:
+    """Move ``node`` (and the pure ATen nodes it depends on) before ``anchor`` where it comes after it, so
+    that a fused op inserted at ``anchor`` may read it: the (1 + w) variant's gamma ``add(w, 1.0)`` is
+    emitted where the norm was, after the residual add. Only ``aten.to`` / ``aten.add`` of parameters and
+    constants move; returns False (nothing moved) for anything else after ``anchor``."""
+    if not isinstance(node, torch.fx.Node):
+        return True
+    order = {n: i for i, n in enumerate(anchor.graph.nodes)}
+    chain: list[torch.fx.Node] = []
+
+    def collect(n) -> bool:
+        if not isinstance(n, torch.fx.Node) or order[n] < order[anchor]:
+            return True
+        if n.op != "call_function" or n.target not in (aten.add.Tensor, aten.to.dtype, aten._to_copy.default):
+            return False
+        if not all(collect(arg) for arg in n.all_input_nodes):
+            return False
+        if n not in chain:
+            chain.append(n)
+        return True
+
+    if not collect(node):
+        return False
+    for n in sorted(chain, key=order.__getitem__):
+        anchor.prepend(n)
+    return True
 
 
 class RmsNormPass(FamilyPass):
@@ -227,10 +346,28 @@ class RmsNormFamily(FusionFamily):
 
     @classmethod
     def expected_per_layer(cls, model_config, layer_type: str | None = None) -> int:
-        """2 per decoder layer, 4 where attention normalises q and k per head (:data:`QK_NORM_MODEL_TYPES`)."""
-        return cls.per_layer + (2 if getattr(model_config, "model_type", None) in QK_NORM_MODEL_TYPES else 0)
+        """2 per decoder layer, 4 where attention normalises q and k per head (:data:`QK_NORM_MODEL_TYPES`;
+        in the hybrid :data:`ONE_PLUS_WEIGHT_MODEL_TYPES`, the full-attention layers: ``layer_type``
+        ``"full_attention"``, or None where every layer is one); a linear-attention layer has 2 (its gated
+        norm is ``rms_norm_gated``'s)."""
+        model_type = getattr(model_config, "model_type", None)
+        if model_type in ONE_PLUS_WEIGHT_MODEL_TYPES:
+            return cls.per_layer + (0 if layer_type == "linear_attention" else 2)
+        return cls.per_layer + (2 if model_type in QK_NORM_MODEL_TYPES else 0)
 
     def iter_variants(self):
+        # (1 + w) first: Qwen3.5 / Qwen3-Next; one per dtype family of x (w's cast is outside the pattern).
+        for label, dtype in (("half", torch.bfloat16), ("fp32", torch.float32)):
+            yield PatternVariant(
+                name=f"rms_norm_one_plus_weight_{label}",
+                search_fn=_search_one_plus,
+                replace_fn=_replace_one_plus,
+                example_inputs=lambda dtype=dtype: [torch.empty(2, 4, 16, dtype=dtype), torch.empty(16), 1e-6],
+                check=_check_one_plus,
+                scalar_workaround={"eps": 1e-6},
+                why=("Qwen3_5RMSNorm / Qwen3NextRMSNorm (transformers 5.24.0, 4.57.6): fp32 x * (1 + w.float()), "
+                     + ("type_as a bf16/fp16 x" if label == "half" else "fp32 activations (no-op casts removed)")),
+            )
         # One variant per dtype family, because the normalised graphs differ structurally:
         # half precision casts to fp32 and back; in fp32 both casts are no-ops and are removed.
         for label, dtype in (("half", torch.bfloat16), ("fp32", torch.float32)):

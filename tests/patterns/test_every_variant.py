@@ -79,8 +79,12 @@ MODELS = {
     # MoE experts (grouped_mm, transformers >= 5): aten._grouped_mm in bf16, grouped_mm_fallback in fp32
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+    # Qwen3.5 (1 layer: a Gated DeltaNet layer): (1 + w) RMSNorms and the gated RMSNorm
+    "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
 }
 MOE = dict(TINY, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+QWEN3_5 = dict(TINY, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+               linear_value_head_dim=16)  # fmt: skip
 
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -128,6 +132,15 @@ CASES: dict[str, tuple[Case, dict[str, int]]] = {
         Case(dict(MOE, shared_expert_intermediate_size=64), "sdpa", FP32, False, model="qwen2_moe"),
         {"rms_norm_fp32": 3, "moe_fallback_swiglu": 1, "moe_fallback": 1, "swiglu_linear_silu_left": 1,
          "rotary_bsnd": 2, "sdpa_mask_repeat_kv": 1},
+    ),
+    # Qwen3.5's linear-attention layer: (1 + w) norms (input, post-attention, final) and the DeltaNet's gated norm
+    "qwen3_5_bf16_train": (
+        Case(QWEN3_5, "sdpa", BF16, True, model="qwen3_5"),
+        {"rms_norm_one_plus_weight_half": 3, "rms_norm_gated_half": 1, "swiglu_linear_silu_left": 1},
+    ),
+    "qwen3_5_fp32": (
+        Case(QWEN3_5, "sdpa", FP32, False, model="qwen3_5"),
+        {"rms_norm_one_plus_weight_fp32": 3, "rms_norm_gated_fp32": 1, "swiglu_linear_silu_left": 1},
     ),
     # eager_attention_forward (repeat_kv, additive mask) in training
     "eager_bf16_train": (

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated
 
 from conftest import assert_parity
 from qwen_npu_compile import get_reports
@@ -123,9 +124,6 @@ def test_fp32_inference_merges_residual_adds(npu_ops):
 
 
 # --- standalone modules: the autocast dtype pair and the negatives -----------------------------------
-
-from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated  # noqa: E402
-
 
 def _norm(dtype=torch.float32):
     norm = Qwen3_5RMSNorm(32, eps=1e-6)

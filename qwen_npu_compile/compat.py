@@ -1,6 +1,10 @@
 """Every difference between the torch versions this package supports, in one place.
 
-Supported: torch 2.7 to 2.13 (CI runs 2.7.1, 2.9.0, 2.10.0 and 2.13.0). Nothing else in the package
+Supported: torch 2.7.1 to 2.14 (CI runs 2.7.1, 2.9.0, 2.10.0, 2.11.0, 2.13.0 and 2.14.0; the range is
+:data:`TESTED_TORCH`, which ``pyproject.toml`` admits). On a torch outside it, importing the package warns once
+(:class:`UntestedTorchWarning`, one line naming the tested range and what to do; :func:`warn_if_untested_torch`)
+and goes on: a graph the retrace cannot follow compiles unfused with its own warning, so an untested torch
+costs fusions, not correctness. Nothing else in the package
 reads ``torch.__version__`` or probes private torch APIs; it imports what it needs from here. Where
 possible a difference is detected from the API itself (a signature, an attribute), not from a version
 number, so a backport or a later change is followed automatically.
@@ -45,6 +49,8 @@ import contextlib
 import functools
 import inspect
 import logging
+import re
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -56,6 +62,10 @@ if TYPE_CHECKING:  # Inductor's pattern matcher is imported when first used (npu
     from torch._inductor import pattern_matcher as pm
 
 __all__ = [
+    "TESTED_TORCH",
+    "UntestedTorchWarning",
+    "untested_torch_message",
+    "warn_if_untested_torch",
     "VMAP_ENTER",
     "VMAP_EXIT",
     "VMAP_LAZY_LOAD",
@@ -73,6 +83,76 @@ __all__ = [
     "strip_default_context_fn",
     "wraps_compiled",
 ]
+
+
+# --------------------------------------------------------------------------------------------------
+# the tested torch range (forward compatibility, stated)
+
+#: The torch releases CI's stack matrix tests (``tools/stack_matrix.py``); ``pyproject.toml`` pins exactly this
+#: (``tests/test_version_check.py`` keeps the two equal).
+TESTED_TORCH = ">=2.7.1,<2.15"
+
+
+class UntestedTorchWarning(UserWarning):
+    """The installed torch is outside :data:`TESTED_TORCH` (filter it by this category to silence it)."""
+
+
+def _release(version: str) -> tuple[int, ...] | None:
+    """``(major, minor, patch)`` of a torch version string (``"2.15.0.dev20261201+cpu"`` → ``(2, 15, 0)``); None when
+    it does not start with ``N.N``."""
+    match = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", version)
+    return None if match is None else tuple(int(part or 0) for part in match.groups())
+
+
+def _tested_bounds() -> tuple[tuple[int, ...], tuple[int, ...]]:
+    lower, upper = (clause.strip() for clause in TESTED_TORCH.split(","))
+    return _release(lower.removeprefix(">=")), _release(upper.removeprefix("<"))
+
+
+def untested_torch_message(version: str | None = None) -> str | None:
+    """The one-line warning for a torch outside :data:`TESTED_TORCH`, or None inside it.
+
+    Args:
+        version: a torch version string; default ``torch.__version__``. Pre-releases and local builds count
+            by their release (``2.15.0.dev…`` is 2.15, ``2.14.0+cu130`` is 2.14.0).
+
+    Raises:
+        ValueError: ``version`` is not a version string (``"N.N[.N]…"``).
+    """
+    version = torch.__version__ if version is None else version
+    release = _release(str(version))
+    if release is None:
+        raise ValueError(f"cannot read a torch version from {version!r}; expected 'MAJOR.MINOR[.PATCH]...'")
+    lower, upper = _tested_bounds()
+    if lower <= release < upper:
+        return None
+    side = "newer" if release >= upper else "older"
+    newest = f"{upper[0]}.{upper[1] - 1}"
+    return (f"qwen_npu_compile: torch {version} is {side} than the tested range (torch{TESTED_TORCH}, i.e. "
+            f"{'.'.join(map(str, lower))} to {newest}.x); fusions may be missing or compiles may fall back unfused. "
+            f"Install a tested torch (pip install 'torch{TESTED_TORCH}'), or run `qwen-npu-compile check MODEL` "
+            f"to see what fuses here (README, Supported stacks)")
+
+
+def warn_if_untested_torch(version: str | None = None) -> bool:
+    """Warn once (:class:`UntestedTorchWarning`) when torch is outside :data:`TESTED_TORCH`; runs at package import.
+
+    A warning, not an error: the package keeps working where it can (an untested release usually works, and any
+    graph the retrace cannot follow compiles unfused with its own warning), and a user who knows better can
+    filter it (``warnings.filterwarnings("ignore", category=UntestedTorchWarning)``).
+
+    Returns:
+        True when it warned.
+    """
+    message = untested_torch_message(version)
+    if message is None:
+        return False
+    warnings.warn(message, UntestedTorchWarning, stacklevel=2)
+    return True
+
+
+# Before anything below touches a private torch API that a newer torch may have changed.
+warn_if_untested_torch()
 
 
 # --------------------------------------------------------------------------------------------------

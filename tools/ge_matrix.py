@@ -10,9 +10,13 @@ counts, the GE op counts, every refusal with its reason and every conversion fai
 results as JSON with ``--json``. Exit status 1 when any run fails (a conversion failure, a missing
 fusion or parity), 0 otherwise.
 
-    python tools/ge_matrix.py [--quick] [--json FILE] [--jobs N]
+    python tools/ge_matrix.py [--scope {full,quick,core} | --quick] [--json FILE] [--jobs N]
 
-``--quick`` runs the 4 bf16/sdpa combinations and one padded run only (the stack matrix uses it on older stacks).
+``--scope``: ``full`` (default) the 18 runs below; ``quick`` (``--quick``) the 4 bf16/sdpa combinations and one
+padded run; ``core`` 4 runs: bf16/sdpa training static and left-padded dynamic, inference static and dynamic
+(quick without its unpadded dynamic training run, which the padded one covers: the same dynamic training graphs
+plus the padding mask). The stack matrix runs ``full`` on the primary stack, ``quick`` on the newest, ``core``
+on the older stacks (``tools/stack_matrix.py``); 4 runs on 2 jobs take two rounds, 5 take three.
 ``--jobs N`` runs N checks at once, each with ``cpu_count // N`` threads (tracing, AOTAutograd and the GE
 conversion are single-threaded Python, so 2 jobs on 2 cores take about half the time of 1); the lines are
 printed in the runs' order.
@@ -53,12 +57,27 @@ MODES, DTYPES, ATTNS, SHAPES = ("train", "infer"), ("bf16", "fp16"), ("sdpa", "e
 PADDING = 5
 
 
-def combinations(quick: bool) -> list[tuple[str, ...]]:
-    """(mode, dtype, attention, shape, padding) per run: every unpadded combination (or the 4 bf16/sdpa
-    ones with ``quick``), plus left-padded training runs (eager and sdpa; sdpa with a dynamic length)."""
+SCOPES = ("full", "quick", "core")
+
+
+def combinations(scope: str | bool) -> list[tuple[str, ...]]:
+    """(mode, dtype, attention, shape, padding) per run of ``scope`` (see the module docstring): ``full`` every
+    unpadded combination plus left-padded training runs (eager and sdpa; sdpa with a dynamic length), ``quick``
+    the 4 bf16/sdpa unpadded ones plus the padded dynamic sdpa training run, ``core`` quick without its unpadded
+    dynamic training run. A bool is the old ``quick`` flag (True: ``quick``, False: ``full``).
+
+    Raises:
+        ValueError: an unknown scope.
+    """
+    scope = {True: "quick", False: "full"}.get(scope, scope) if isinstance(scope, bool) else scope
+    if scope not in SCOPES:
+        raise ValueError(f"unknown GE matrix scope {scope!r}; choose one of {list(SCOPES)}")
     padded = [("train", "bf16", "sdpa", "dynamic", "left_padding")]
-    if quick:
-        return [(mode, "bf16", "sdpa", shape, "no_padding") for mode, shape in itertools.product(MODES, SHAPES)] + padded
+    quick = [(mode, "bf16", "sdpa", shape, "no_padding") for mode, shape in itertools.product(MODES, SHAPES)] + padded
+    if scope == "quick":
+        return quick
+    if scope == "core":
+        return [combo for combo in quick if combo != ("train", "bf16", "sdpa", "dynamic", "no_padding")]
     return [(*combo, "no_padding") for combo in itertools.product(MODES, DTYPES, ATTNS, SHAPES)] + padded + [
         ("train", "bf16", "eager", "static", "left_padding")]
 
@@ -107,11 +126,13 @@ def describe(result: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ge_matrix", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="the 4 bf16/sdpa combinations and one padded run only")
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("--scope", choices=SCOPES, default="full", help="which runs (default %(default)s; see above)")
+    scope.add_argument("--quick", action="store_const", const="quick", dest="scope", help="same as --scope quick")
     parser.add_argument("--json", type=Path, default=None, help="write every run's result here")
     parser.add_argument("--jobs", type=int, default=1, help="checks run at once (default 1)")
     args = parser.parse_args(argv)
-    runs = combinations(args.quick)
+    runs = combinations(args.scope)
     jobs = max(1, min(args.jobs, len(runs)))
     threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else None
     results = {}

@@ -50,8 +50,14 @@ TORCHAIR_DIR = "torch_npu/dynamo/torchair/"
 SCHEMAS_YAML = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
 META_REGISTRATIONS = "torch_npu/op_plugin/meta/_meta_registrations.py"
 
-#: Seconds allowed for ``pip download`` (the 2.13.0 wheel is about 43 MB).
+#: Seconds allowed for ``pip download`` (the 2.13.0 and 2.14.0 wheels are about 43 MB each).
 DOWNLOAD_TIMEOUT_S = 900
+
+#: The torch_npu releases whose torchair, schemas and meta kernels CI checks (tools/stack_matrix.py: one per
+#: stack, paired with its torch). 2.13.0 → 2.14.0 changed none of the files this package reads
+#: (``npu_native_functions_by_codegen.yaml``, ``_meta_registrations.py`` and torchair's Python sources are
+#: byte-identical; only torchair's CANN extension modules, replaced by stand-ins here, differ).
+TESTED_TORCH_NPU = ("2.7.1", "2.9.0", "2.10.0", "2.11.0", "2.13.0", "2.14.0")
 
 
 class TorchairUnavailableError(RuntimeError):
@@ -135,8 +141,28 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+def beyond_tested(torch_version: str) -> str | None:
+    """A sentence for a torch newer than the newest torch_npu in :data:`TESTED_TORCH_NPU` (by major.minor), else None.
+
+    Raises:
+        ValueError: ``torch_version`` is not a PEP 440 version.
+    """
+    try:
+        release = Version(torch_version).release[:2]
+    except InvalidVersion as exc:
+        raise ValueError(f"cannot pair torch {torch_version!r} with a torch_npu release: {exc}") from exc
+    newest = max(TESTED_TORCH_NPU, key=Version)
+    if release <= Version(newest).release[:2]:
+        return None
+    return (f"torch {torch_version} is newer than the newest torch_npu this package is tested with ({newest}; "
+            f"torch_npu pins its own torch, so a torch without a torch_npu release has no torchair to convert with)")
+
+
 def _no_wheel_message(torch_version: str, specifiers: list[SpecifierSet], cache: Path, why: str) -> str:
     spec = str(specifiers[0]).replace(".*", "")
+    newer = beyond_tested(torch_version)
+    if newer is not None:
+        why = f"{newer}; {why}"
     return (
         f"torchair is needed for the off-NPU FX→GE conversion check (downstream 'torchair' without an NPU), "
         f"from the torch_npu wheel that pairs with torch {torch_version} (torch-npu{specifiers[0]}), and it "

@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(("torch_version", "expected"), [
+    ("2.14.0+cu130", ["==2.14.0.*", "==2.14.*"]),
     ("2.13.0+cpu", ["==2.13.0.*", "==2.13.*"]),
     ("2.9.1", ["==2.9.1.*", "==2.9.*"]),
     ("2.10.0a0+git1234", ["==2.10.0.*", "==2.10.*"]),
@@ -44,6 +45,16 @@ def test_torch_npu_pairs_with_torch_major_minor_patch(torch_version, expected):
     assert [str(spec) for spec in wheel.paired_specifiers(torch_version)] == expected
     newest_2_13_0 = wheel.paired_specifiers("2.13.0")[0]
     assert newest_2_13_0.contains("2.13.0.post2") and not newest_2_13_0.contains("2.13.1")
+
+
+def test_a_torch_newer_than_the_newest_tested_torch_npu_says_so():
+    assert wheel.TESTED_TORCH_NPU[-1] == "2.14.0"
+    assert wheel.beyond_tested("2.14.1") is None and wheel.beyond_tested("2.7.1+cpu") is None
+    assert wheel.beyond_tested("2.15.0.dev20261201") == (
+        "torch 2.15.0.dev20261201 is newer than the newest torch_npu this package is tested with (2.14.0; torch_npu "
+        "pins its own torch, so a torch without a torch_npu release has no torchair to convert with)")
+    with pytest.raises(ValueError, match="cannot pair torch 'next'"):
+        wheel.beyond_tested("next")
 
 
 def test_cache_dir_comes_from_the_environment(tmp_path):
@@ -66,7 +77,16 @@ def test_no_network_and_no_wheel_is_a_clear_error(tmp_path):
     message = str(caught.value)
     assert "could not be obtained" in message and "pip download" in message and "torch-npu==2.13.0.*" in message
     assert f"set {ENV_WHEEL}=" in message and "never installed" in message
+    assert "newer than the newest torch_npu" not in message
     assert not list((tmp_path / "cache" / "wheels").glob("*.whl"))
+
+
+def test_no_wheel_for_a_torch_beyond_the_tested_range_names_the_newest_tested_release(tmp_path):
+    with pytest.raises(TorchairUnavailableError) as caught:
+        wheel.obtain_wheel("2.15.0", _offline_pip_env(tmp_path / "cache"))
+    message = str(caught.value)
+    assert "torch-npu==2.15.0.*" in message
+    assert "could not be obtained: torch 2.15.0 is newer than the newest torch_npu this package is tested with (2.14.0;" in message
 
 
 def test_check_without_torchair_exits_2_before_building(tmp_path, monkeypatch, capsys):
@@ -172,9 +192,12 @@ def test_torchair_settings_from_options_and_environment(tmp_path):
 
 @pytest.fixture(scope="module")
 def sources():
+    """The torch_npu release that pairs with this stack's torch (each stack of the matrix checks its own:
+    ``stack_compat``; the wheel is the one tools/ge_matrix.py converts with, from the same cache)."""
     return wheel.obtain_sources(torch.__version__)
 
 
+@pytest.mark.stack_compat
 def test_stand_in_schemas_equal_the_wheels(simulated_npu_ops, sources):
     from qwen_npu_compile.torchair_offline.wheel_contracts import schema_mismatches
 
@@ -211,6 +234,7 @@ KNOWN_META_DIFFERENCES = {
 }
 
 
+@pytest.mark.stack_compat
 def test_stand_in_fake_kernels_match_the_wheels_meta_kernels(simulated_npu_ops, sources):
     from qwen_npu_compile.torchair_offline.wheel_contracts import load_meta_kernels, output_differences
 

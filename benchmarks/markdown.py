@@ -356,7 +356,7 @@ def render_summary(loaded: dict[str, dict], total_seconds: float, command: str) 
     """The markdown summary of whichever result files are present.
 
     Args:
-        loaded: part name (``traffic``/``moe``/``compile``/``registration``) -> its JSON payload.
+        loaded: part name (``traffic``/``moe``/``qwen3_5``/``compile``/``registration``) -> its JSON payload.
         total_seconds: wall time of this invocation (seconds).
         command: the command line that produced this invocation.
     """
@@ -377,6 +377,8 @@ def render_summary(loaded: dict[str, dict], total_seconds: float, command: str) 
         lines += _traffic(loaded["traffic"])
     if "moe" in loaded:
         lines += ["## MoE per decoder layer", "", moe_table(loaded["moe"]), ""]
+    if "qwen3_5" in loaded:
+        lines += ["## Qwen3.5 per decoder layer kind", "", qwen3_5_table(loaded["qwen3_5"]), ""]
     if "compile" in loaded:
         lines += _compile(loaded["compile"])
     if "registration" in loaded:
@@ -513,10 +515,72 @@ def moe_table(moe: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-if __name__ == "__main__":  # python -m benchmarks.markdown benchmarks/results/{kernel_traffic,moe_traffic}.json
+_Q35_KINDS = {"linear_attention": "Gated DeltaNet", "full_attention": "full attention"}
+_Q35_LABELS = {"eager": "eager", "verl": "verl-style", "qwen_npu": "qwen_npu"}
+_Q35_SHORT = {"npu.npu_rms_norm.default": "rms_norm", "npu.npu_swiglu.default": "swiglu",
+              "npu.npu_rotary_mul.default": "rotary_mul", "npu.npu_fusion_attention.default": "fusion_attention",
+              "qwen_npu.gate_up_proj.default": "gate_up_proj", "qwen_npu.rotary_mul_orthogonal.default": "rotary_mul_orthogonal",
+              "npu.npu_add_rms_norm.default": "add_rms_norm"}
+
+
+def _q35_fused_cell(counts: dict[str, int]) -> str:
+    found = [f"{_Q35_SHORT.get(op, op.removesuffix('.default'))} {n}" for op, n in counts.items() if n]
+    return ", ".join(found) or "–"
+
+
+def qwen3_5_table(data: dict) -> str:
+    """The "Qwen3.5 per layer" tables of README.md's "Performance evidence", from ``qwen3_5_traffic.json``'s payload
+    (``benchmarks/qwen3_5_traffic.py``): per layer kind, mode and variant, the per-layer kernels, non-matmul bytes
+    (read / written), glue, Cube TFLOP, est. ms, roofline (matmul + attention + rest) and the fused kernels of the
+    forward; then the chunked delta rule's key ops per DeltaNet layer.
+
+    ``python -m benchmarks.markdown benchmarks/results/qwen3_5_traffic.json`` prints them.
+    """
+    out = ["| layer | mode | variant | kernels fw / bw | non-matmul MiB fw + bw (read / written) | glue MiB "
+           "| TFLOP | est. ms | roofline ms (matmul + attention + rest) | ÷ qwen_npu roofline | fused kernels fw |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for m in data["models"].values():
+        for kind, entry in m["layer_kinds"].items():
+            for mode, rows in entry["modes"].items():
+                base = rows.get("qwen_npu", {}).get("roofline_ms", {}).get("total")
+                for i, (variant, row) in enumerate(rows.items()):
+                    kinds = [k for k in ("forward", "backward") if k in row["kernels"]]
+                    by = row["roofline_ms_by_category"]
+                    ratio = f"{row['roofline_ms']['total'] / base:.2f}" if base else "–"
+                    out.append(
+                        f"| {_Q35_KINDS.get(kind, kind) if i == 0 and mode == 'training' else ''} | "
+                        f"{mode if i == 0 else ''} | {_Q35_LABELS.get(variant, variant)} | "
+                        + " / ".join(str(row["kernels"][k]) for k in kinds) + " | "
+                        + " + ".join(f"{row['bytes'][k] / MIB:,.0f}" for k in kinds)
+                        + f" ({row['bytes_read']['total'] / MIB:,.0f} / {row['bytes_written']['total'] / MIB:,.0f}) | "
+                        f"{row['glue_bytes']['total'] / MIB:,.0f} | {row['flops']['total'] / 1e12:.2f} | "
+                        f"{row['est_ms']['total']:.2f} | {row['roofline_ms']['total']:.2f} ({by['matmul']:.2f} + "
+                        f"{by['attention']:.2f} + {by['fused'] + by['vector']:.2f}) | {ratio} | "
+                        f"{_q35_fused_cell(row['fused_kernels']['forward'])} |"
+                    )
+    out += ["", "| DeltaNet layer, mode | variant | chunk bmm fw / bw: kernels, GFLOP | solve_triangular fw / bw: kernels, "
+            "MiB, vector GFLOP | top 5 ops by roofline ms (kernels, ms) |", "|---|---|---|---|---|"]
+    for m in data["models"].values():
+        entry = m["layer_kinds"].get("linear_attention")
+        if entry is None:
+            continue
+        for mode, rows in entry["modes"].items():
+            for variant, row in rows.items():
+                kinds = [k for k in ("forward", "backward") if k in row["kernels"]]
+                bmm = " / ".join(f"{row['bmm'][k]['kernels']}, {row['bmm'][k]['flops'] / 1e9:.1f}" for k in kinds)
+                solve = " / ".join(f"{row['solve_triangular'][k]['kernels']}, {row['solve_triangular'][k]['bytes'] / MIB:,.0f}, "
+                                   f"{row['solve_triangular'][k]['vector_flops'] / 1e9:.1f}" for k in kinds)
+                top = "; ".join(f"{t['op'].removeprefix('aten.').removesuffix('.default')} ({t['kernels']}, {t['roofline_ms']:.2f})"
+                                for t in row["top_ops"][:5])
+                out.append(f"| {mode} | {_Q35_LABELS.get(variant, variant)} | {bmm} | {solve} | {top} |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":  # python -m benchmarks.markdown benchmarks/results/{kernel_traffic,moe_traffic,qwen3_5_traffic}.json
     import json
     import sys
     from pathlib import Path
 
     payload = json.loads(Path(sys.argv[1]).read_text())
-    print(moe_table(payload) if payload.get("kind") == "moe_traffic" else readme_tables(payload), end="")
+    renderers = {"moe_traffic": moe_table, "qwen3_5_traffic": qwen3_5_table}
+    print(renderers.get(payload.get("kind"), readme_tables)(payload), end="")

@@ -6,7 +6,8 @@ Usage (from the repository root)::
     python -m benchmarks.run --quick --out /tmp/bench-quick    # smoke test: tiny shapes, seconds
 
 Parts (``--parts``, default all): ``traffic`` (kernel_traffic.json), ``moe`` (moe_traffic.json: MoE
-decoder layers, ``benchmarks/moe_traffic.py``), ``compile`` (compile_cost.json), ``registration``
+decoder layers, ``benchmarks/moe_traffic.py``), ``qwen3_5`` (qwen3_5_traffic.json: Qwen3.5's Gated DeltaNet and
+full-attention layers, ``benchmarks/qwen3_5_traffic.py``), ``compile`` (compile_cost.json), ``registration``
 (registration_cost.json). The markdown summary covers the
 JSON files present in ``--out``.
 """
@@ -23,13 +24,14 @@ if __package__ in (None, ""):  # `python benchmarks/run.py`: make `benchmarks` i
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "benchmarks"  # noqa: A001
 
-from benchmarks import compile_cost, moe_traffic, registration, traffic  # noqa: E402
+from benchmarks import compile_cost, moe_traffic, qwen3_5_traffic, registration, traffic  # noqa: E402
 from benchmarks.common import command_line, progress, run_metadata, write_json  # noqa: E402
 from benchmarks.markdown import render_summary  # noqa: E402
 
 PARTS = {
     "traffic": ("kernel_traffic.json", traffic.run),
     "moe": ("moe_traffic.json", moe_traffic.run),
+    "qwen3_5": ("qwen3_5_traffic.json", qwen3_5_traffic.run),
     "compile": ("compile_cost.json", compile_cost.run),
     "registration": ("registration_cost.json", registration.run),
 }

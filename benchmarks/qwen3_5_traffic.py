@@ -1,0 +1,524 @@
+"""Kernels, HBM traffic and roofline per Qwen3.5 decoder layer, per layer kind: eager, verl-style, qwen_npu.
+
+Issue 25's evidence. Usage (from the repository root; nothing allocated at full size)::
+
+    python -m benchmarks.qwen3_5_traffic --out benchmarks/results          # Qwen3.5-27B widths, S = 4096
+    python -m benchmarks.qwen3_5_traffic --quick --out /tmp/q35            # tiny Qwen3.5, S = 128, training
+
+writes ``<out>/qwen3_5_traffic.json``; ``python -m benchmarks.markdown benchmarks/results/qwen3_5_traffic.json``
+prints the README table. One progress line per row goes to stderr (logger ``benchmarks.qwen3_5_traffic``).
+
+Qwen3.5 is hybrid: three Gated DeltaNet (``linear_attention``) layers, then one gated full-attention layer
+(``full_attention``), repeated. Each kind is measured on its own: a :class:`transformers.Qwen3_5TextModel` whose
+``layer_types`` are ``[kind] * L`` (L = 1, 2) under a :class:`~torch._subclasses.fake_tensor.FakeTensorMode`, bf16,
+one row of ``S`` tokens (B = 1) given as ``inputs_embeds``; per layer = graph(L=2) - graph(L=1) op by op, so the
+once-per-forward work (rotary cos/sin, masks) cancels. Training: ``train()``, the input requires grad, the final
+norm is ``Identity``; inference: ``eval()`` under ``no_grad`` with the final norm kept (as the dense and MoE
+inference rows). The graphs are captured as :mod:`benchmarks.traffic` and :mod:`benchmarks.moe_traffic` capture
+them (``torch.compile(fullgraph=True)`` with a recording backend, then AOTAutograd, default partitioner), and
+counted with the same rules (:func:`~benchmarks.traffic.graph_counts`, :func:`~benchmarks.traffic.node_bytes`,
+:func:`~benchmarks.traffic.kernel_flops`, :func:`~benchmarks.traffic.kernel_time`; Atlas A2 figures
+:data:`~benchmarks.traffic.BANDWIDTH` / :data:`~benchmarks.traffic.PEAK`).
+
+Variants (:data:`VARIANTS`):
+
+* ``eager``: transformers 5.24's modeling code as is (SDPA attention with transformers' explicit mask, the torch
+  reference ``torch_chunk_gated_delta_rule``, the ``F.conv1d`` fallback of ``causal_conv1d_fn``, unfused (1+w)
+  and gated norms, partial rotary as slice + rotate_half + cat); the canonicalized graph with no pass.
+* ``verl``: verl 0.9.1's ``npu_patch`` for Qwen3.5 (:mod:`benchmarks.verl_qwen3_5_patch`: (1+w) RMSNorm as
+  ``npu_rms_norm`` on fp32 with ``1 + w``, gated norm as ``npu_rms_norm`` + eager fp32 ``* silu(gate)``, partial
+  rotary as slice + ``npu_rotary_mul`` + ``cat``) and attention through transformers' NPU flash attention
+  (:func:`benchmarks.verl_patch.npu_flash_attention_2`, BSND, ``sparse_mode=3``), as the dense verl-style rows;
+  no pass of ours. The attention output gate, the DeltaNet and the dense MLP are not patched by verl.
+* ``qwen_npu``: every family (:data:`qwen_npu_compile.config.ALL_FAMILIES`): whatever the families emit at the
+  time of the run (``fusions_per_layer`` in the results says what fused).
+
+**The chunked delta rule** (``torch_chunk_gated_delta_rule``, chunk size ``C`` = 64) is traced ATen ops in all
+three variants: Dynamo unrolls its scan over the ``S/C`` chunks. Its matmuls (``@`` on 4-/5-D fp32 tensors,
+``aten.bmm`` after decomposition) are matmuls (Cube, ``2·M·N·K``); its two ``linalg_solve_triangular`` calls
+(and their backward) are vector kernels whose FLOPs (:func:`solve_triangular_flops`: ``C·(C-1)·D`` per ``C x C``
+unit-triangular system and ``D`` right-hand sides) are reported and enter the roofline at the Vector peak
+(:func:`solve_triangular_time`); every other kernel is counted as in the other rows. Per DeltaNet layer
+(``H`` = value heads after ``repeat_interleave``, ``dk``/``dv`` head dims; derived from transformers' code,
+:func:`expected_deltanet_flops`): chunk matmuls ``S·H·(4·C·dk + 2·C·dv + 6·dk·dv)`` forward less the last chunk's
+state update (dead code without ``output_final_state``), triangular solves ``S·H·(C-1)·(dv + dk)``.
+
+Not modelled: fp32 matmuls (the DeltaNet's, all fp32) counted at the BF16 Cube peak (optimistic), the
+kernels' internals, launch overhead (the unrolled scan is about 10 kernels per chunk per graph), overlap; no
+kernel ran on an NPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import logging
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from qwen_npu_compile import canonicalize, emit, ensure_npu_ops
+from qwen_npu_compile.config import ALL_FAMILIES, QwenNpuConfig
+from qwen_npu_compile.fuse import fuse
+
+from . import traffic
+from .common import MIB, run_metadata, write_json
+from .traffic import BANDWIDTH, CATEGORIES, MODELLED_TARGET, PEAK, graph_counts, has_negative, subtract, summarize
+from .verl_patch import FA2_SOURCES, npu_flash_attention_2
+from .verl_qwen3_5_patch import SOURCES as VERL_SOURCES
+from .verl_qwen3_5_patch import verl_qwen3_5_patches
+
+log = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+
+#: The model and shape of the full run (issue 25): Qwen3.5-27B's text widths, S = 4096 tokens.
+MODEL = "qwen3.5-27b"
+TOKENS = 4096
+#: The quick run: a tiny Qwen3.5 (``tests/conftest.py``'s ``tiny_hybrid("qwen3_5")`` shapes), S = 128 (2 chunks).
+QUICK_TOKENS = 128
+
+#: Qwen3.5-27B's text config (``Qwen/Qwen3.5-27B`` ``config.json`` ``text_config``): attention and MLP widths as in
+#: THUDM/slime ``scripts/models/qwen3.5-27B.sh`` (24 / 4 heads, kv-channels 256, hidden 5120, ffn 17408, rotary
+#: 0.25, base 1e7, eps 1e-6, 64 layers), the linear-attention widths (16 key / 48 value heads of 128, conv 4) as in
+#: the public copies of the ``qwen3_5`` 27B ``config.json`` (the Qwen3.6-27B one is the same architecture and
+#: widths). Only the shapes matter here.
+QWEN3_5_27B = dict(
+    vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+    num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4, rms_norm_eps=1e-6, max_position_embeddings=262144,
+    rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                     "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+    use_cache=False,
+)
+#: ``tests/conftest.py``'s ``_TINY_HYBRID`` (hidden 128, head_dim 64, 4 / 2 heads, linear 2 key / 4 value heads
+#: of 32) with ``intermediate_size`` 256.
+TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4, max_position_embeddings=256,
+            use_cache=False)
+
+#: The two layer kinds (``config.layer_types`` values).
+LAYER_KINDS = ("linear_attention", "full_attention")
+#: transformers' ``torch_chunk_gated_delta_rule`` default chunk size.
+CHUNK = 64
+
+SOLVE_TRIANGULAR = "aten.linalg_solve_triangular.default"
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen35Variant:
+    """One way of running Qwen3.5 (module docstring).
+
+    Attributes:
+        name: key in the results.
+        families: the qwen_npu families whose passes run (empty: none).
+        verl: verl's Qwen3.5 ``npu_patch`` and transformers' NPU flash attention (one capture of its own).
+        description: one line for the results.
+    """
+
+    name: str
+    families: tuple[str, ...]
+    verl: bool
+    description: str
+
+
+VARIANTS = (
+    Qwen35Variant("eager", (), False,
+                  "transformers 5.24 as is: SDPA (explicit mask), torch chunked delta rule, F.conv1d causal conv, "
+                  "unfused (1+w) / gated RMSNorm, partial rotary as slice + rotate_half + cat; nothing fused"),
+    Qwen35Variant("verl", (), True,
+                  "verl 0.9.1 npu_patch for Qwen3.5: (1+w) RMSNorm npu_rms_norm(x.float(), 1 + w.float()), gated "
+                  "norm npu_rms_norm + eager fp32 * silu(gate), partial rotary slice + npu_rotary_mul + cat; "
+                  "attention through transformers' NPU flash attention (BSND, sparse_mode 3); attention gate, "
+                  "DeltaNet and dense MLP unpatched; no pass of ours"),
+    Qwen35Variant("qwen_npu", tuple(ALL_FAMILIES), False,
+                  "qwen_npu, every family (rms_norm incl. (1+w) and q/k norms, rms_norm_gated, swiglu, rotary incl. "
+                  "partial, attention, ...): whatever fused at the time of the run"),
+)
+
+
+def qwen3_5_27b_config(**overrides):
+    """Qwen3.5-27B's text config (:data:`QWEN3_5_27B`)."""
+    import transformers
+
+    return transformers.Qwen3_5TextConfig(**{**QWEN3_5_27B, **overrides})
+
+
+def tiny_config(**overrides):
+    """The quick run's tiny Qwen3.5 (:data:`TINY`)."""
+    import transformers
+
+    return transformers.Qwen3_5TextConfig(**{**TINY, **overrides})
+
+
+def _with_layers(config, kind: str, layers: int):
+    """A copy of ``config`` with ``layers`` decoder layers, all of kind ``kind``."""
+    import copy
+
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers = layers
+    cfg.layer_types = [kind] * layers
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------------
+# counting additions: the triangular solves of the chunked delta rule
+
+
+def solve_triangular_flops(node: torch.fx.Node) -> int:
+    """FLOPs of one ``aten.linalg_solve_triangular`` kernel: forward/back substitution.
+
+    ``A [..., n, n]`` triangular, ``B [..., n, m]`` (``left=True``) or ``[..., m, n]`` (``left=False``), batch dims
+    broadcast: per system and right-hand side, ``n·(n-1)`` FLOPs (one multiply and one add per off-diagonal entry)
+    with ``unitriangular=True``, ``n²`` otherwise (the ``n`` divisions). 0 for any other node.
+    """
+    if node.op != "call_function" or traffic.op_name(node) != SOLVE_TRIANGULAR:
+        return 0
+    a = node.args[0].meta["val"]
+    kwargs = dict(node.kwargs)
+    names = ("upper", "left", "unitriangular")
+    for i, name in enumerate(names, start=2):
+        if len(node.args) > i:
+            kwargs[name] = node.args[i]
+    unit = kwargs.get("unitriangular", False)
+    n = int(a.shape[-1])
+    # the output has B's (broadcast) shape: n entries per system and right-hand side, whichever side A is on
+    systems_times_rhs = traffic._numel(node.meta["val"]) // n
+    return systems_times_rhs * (n * (n - 1) if unit else n * n)
+
+
+def solve_triangular_time(flops: int, num_bytes: int) -> float:
+    """Roofline time of a triangular solve: ``max(FLOPs / Vector peak, bytes / bandwidth)`` (a substitution is a
+    chain of dependent vector updates, not a Cube matmul)."""
+    return max(flops / PEAK["vector_fp16_flops_per_second"], num_bytes / BANDWIDTH["bytes_per_second"])
+
+
+def counts(gm: torch.fx.GraphModule) -> dict[str, dict]:
+    """:func:`benchmarks.traffic.graph_counts` with the triangular solves' vector FLOPs: their rows get ``flops``
+    = 0 (the Cube FLOPs, as every vector kernel) and their ``roofline_ps`` from :func:`solve_triangular_time`;
+    the vector FLOPs are in :func:`solve_counts`."""
+    table = graph_counts(gm)
+    row = table.get(SOLVE_TRIANGULAR)
+    if row is not None:
+        row["roofline_ps"] = 0
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and traffic.op_name(node) == SOLVE_TRIANGULAR:
+                read, written = traffic.node_bytes(node)
+                row["roofline_ps"] += round(solve_triangular_time(solve_triangular_flops(node), read + written) * 1e12)
+    return table
+
+
+def solve_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """``{"kernels", "vector_flops", "bytes"}`` of the graph's triangular solves."""
+    out = {"kernels": 0, "vector_flops": 0, "bytes": 0}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and traffic.op_name(node) == SOLVE_TRIANGULAR:
+            out["kernels"] += 1
+            out["vector_flops"] += solve_triangular_flops(node)
+            out["bytes"] += sum(traffic.node_bytes(node))
+    return out
+
+
+def expected_deltanet_flops(config, tokens: int, chunk: int = CHUNK) -> dict[str, int]:
+    """The chunked delta rule's forward FLOPs per DeltaNet layer from the config (derived from transformers 5.24's
+    ``torch_chunk_gated_delta_rule``; ``S`` a multiple of ``C``, B = 1; ``H`` value heads, ``dk``/``dv`` head dims).
+
+    Per chunk and head: ``k_beta @ kᵀ`` and ``q @ kᵀ`` (``2·C²·dk`` each), in the scan ``k_cumdecay @ state`` and
+    ``q @ state`` (``2·C·dk·dv`` each), ``intra_attn @ v_new`` (``2·C²·dv``) and ``kᵀ @ v_new`` (``2·C·dk·dv``);
+    over ``S/C`` chunks: ``S·H·(4·C·dk + 2·C·dv + 6·dk·dv)``, less the last chunk's state update ``2·C·dk·dv·H``,
+    which is dead code without ``output_final_state`` (the graph drops it): the ``bmm`` kernels'
+    ``S·H·(4·C·dk + 2·C·dv + 6·dk·dv) - 2·C·H·dk·dv``. The two unit-triangular solves (``C x C``, ``dv`` and ``dk``
+    right-hand sides): ``S·H·(C-1)·(dv + dk)``.
+    """
+    heads, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    return {"bmm": tokens * heads * (4 * chunk * dk + 2 * chunk * dv + 6 * dk * dv) - 2 * chunk * heads * dk * dv,
+            "solve_triangular": tokens * heads * (chunk - 1) * (dv + dk)}
+
+
+def expected_projection_flops(config, tokens: int, kind: str) -> int:
+    """Forward FLOPs of one layer's linear projections (2-D ``mm``), ``2·S·K·N`` each: DeltaNet ``in_proj_qkv``
+    (``H → 2·Nk·dk + Nv·dv``), ``in_proj_z`` (``Nv·dv``), ``in_proj_b``/``a`` (``Nv``), ``out_proj``; full attention
+    ``q_proj`` (``H → 2·Nq·D``: query and gate), ``k_proj``/``v_proj`` (``Nkv·D``), ``o_proj``; the MLP ``3·H·I``."""
+    h, s = config.hidden_size, tokens
+    if kind == "linear_attention":
+        kd = config.linear_num_key_heads * config.linear_key_head_dim
+        vd = config.linear_num_value_heads * config.linear_value_head_dim
+        mixer = h * (2 * kd + vd) + h * vd + 2 * h * config.linear_num_value_heads + vd * h
+    else:
+        d = config.head_dim
+        mixer = h * 2 * config.num_attention_heads * d + 2 * h * config.num_key_value_heads * d \
+            + config.num_attention_heads * d * h
+    return 2 * s * (mixer + 3 * h * config.intermediate_size)
+
+
+# ----------------------------------------------------------------------------------------------------
+# graph building
+
+
+def build_graphs(config, kind: str, layers: int, variants: Sequence[Qwen35Variant], tokens: int, dtype: torch.dtype,
+                 inference: bool = False) -> dict[str, dict]:
+    """Capture ``layers`` Qwen3.5 decoder layers of kind ``kind`` once under fake tensors; each variant's AOT graphs.
+
+    The variants must agree on :attr:`Qwen35Variant.verl` (one Dynamo capture of one model code). Each gets the
+    canonical ATen graph, its passes (:func:`qwen_npu_compile.fuse.fuse`, checks as for torchair on an NPU; none for
+    eager and verl) and :func:`qwen_npu_compile.emit.finalize`, then AOTAutograd (backward compiled eagerly).
+
+    Returns:
+        Per variant name ``{"forward": GraphModule, "backward": GraphModule (training), "fusions": {family: n}}``,
+        plus ``"seconds"``.
+
+    Raises:
+        ValueError: the variants disagree on ``verl``. RuntimeError: AOTAutograd did not hand over the graphs.
+    """
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch import config as functorch_config
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    if len({v.verl for v in variants}) != 1:
+        raise ValueError("variants sharing one capture must agree on verl's patches")
+    ensure_npu_ops()
+    cfg = _with_layers(config, kind, layers)
+    captured: dict[str, dict] = {v.name: {"fusions": {}} for v in variants}
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        fake_mode = torch._guards.detect_fake_mode(example_inputs)
+        for variant in variants:
+            slot = captured[variant.name]
+            graph = canonicalize.to_aten_graph(gm, example_inputs)
+            result = fuse(graph, QwenNpuConfig(fusions=frozenset(variant.families)), target=MODELLED_TARGET)
+            emit.finalize(graph)
+            slot["fusions"] = dict(result.fusions)
+            inputs = [*example_inputs, *(fake_mode.from_tensor(c) for c in emit.lift_constants(graph))]
+            with functorch_config.patch(force_non_lazy_backward_lowering=True):
+                aot_autograd(fw_compiler=traffic.recording_compiler(slot, "forward"),
+                             bw_compiler=traffic.recording_compiler(slot, "backward"))(graph, inputs)
+        return gm.forward
+
+    start = time.perf_counter()
+    torch._dynamo.reset()
+    patches = verl_qwen3_5_patches() if variants[0].verl else contextlib.nullcontext()
+    with patches, contextlib.ExitStack() as stack:
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake_mode:
+            model = modeling_qwen3_5.Qwen3_5TextModel._from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+            inputs_embeds = torch.empty(1, tokens, cfg.hidden_size, dtype=dtype, requires_grad=not inference)
+        if variants[0].verl:
+            stack.enter_context(npu_flash_attention_2(model, (tokens,)))
+        if not inference:
+            model.norm = torch.nn.Identity()  # decoder layers only
+        model.train(not inference)
+        with torch.set_grad_enabled(not inference):
+            torch.compile(model, backend=backend, fullgraph=True)(inputs_embeds=inputs_embeds)
+    torch._dynamo.reset()
+    for name, slot in captured.items():
+        if "forward" not in slot or ("backward" not in slot and not inference):
+            raise RuntimeError(f"{name}: AOTAutograd did not hand over both graphs ({sorted(slot)})")
+    return {**captured, "seconds": time.perf_counter() - start}
+
+
+# ----------------------------------------------------------------------------------------------------
+# rows
+
+
+def _kinds(inference: bool) -> tuple[str, ...]:
+    return ("forward",) if inference else ("forward", "backward")
+
+
+def _ms(num_bytes: float) -> float:
+    return num_bytes / BANDWIDTH["bytes_per_second"] * 1e3
+
+
+def fused_kernels(table: dict[str, dict]) -> dict[str, int]:
+    """Per op, the kernels of fused ops (``npu`` namespace, and ``qwen_npu`` ops) in a per-op table."""
+    return {op: row["kernels"] for op, row in sorted(table.items())
+            if op.startswith(("npu.", "qwen_npu.")) and row["kernels"]}
+
+
+def op_kernels(table: dict[str, dict], op: str) -> int:
+    row = table.get(op)
+    return row["kernels"] if row else 0
+
+
+def top_ops(layer: dict[str, dict], kinds: Iterable[str], top: int = 10) -> list[dict]:
+    """The ops with the largest roofline time over ``kinds`` (per layer): op, kernels, MiB, ms."""
+    merged: dict[str, dict] = {}
+    for kind in kinds:
+        for op, row in layer[kind].items():
+            m = merged.setdefault(op, {"op": op, "category": row["category"], "kernels": 0, "bytes": 0, "roofline_ps": 0})
+            m["kernels"] += row["kernels"]
+            m["bytes"] += row["bytes_read"] + row["bytes_written"]
+            m["roofline_ps"] += row["roofline_ps"]
+    ranked = sorted(merged.values(), key=lambda r: -r["roofline_ps"])[:top]
+    return [{"op": r["op"], "category": r["category"], "kernels": r["kernels"], "mib": round(r["bytes"] / MIB, 1),
+             "roofline_ms": round(r["roofline_ps"] * 1e-9, 4)} for r in ranked]
+
+
+def per_layer_rows(config, kind: str, tokens: int, dtype: torch.dtype, inference: bool,
+                   variants: Iterable[Qwen35Variant] = VARIANTS) -> dict[str, dict]:
+    """Every variant's per-layer row for one layer kind and one mode; one progress line per row.
+
+    Returns:
+        Per variant name: ``kernels`` / ``bytes_read`` / ``bytes_written`` / ``bytes`` / ``glue_bytes`` / ``flops``
+        (Cube) / ``est_ms`` / ``roofline_ms`` (per graph kind and ``total``), ``roofline_ms_by_category``,
+        ``fusions_per_layer``, ``fused_kernels`` (per graph kind), ``solve_triangular`` (per graph kind:
+        kernels, vector FLOPs, bytes), ``bmm`` (per graph kind: kernels, FLOPs), ``top_ops``, ``by_op``,
+        ``capture_seconds``.
+    """
+    variants = list(variants)
+    kinds = _kinds(inference)
+    mode = "inference" if inference else "training"
+    rows = {}
+    for verl in dict.fromkeys(v.verl for v in variants):
+        group = [v for v in variants if v.verl == verl]
+        one = build_graphs(config, kind, 1, group, tokens, dtype, inference)
+        two = build_graphs(config, kind, 2, group, tokens, dtype, inference)
+        for variant in group:
+            g1, g2 = one[variant.name], two[variant.name]
+            layer = {}
+            for k in kinds:
+                layer[k] = subtract(counts(g2[k]), counts(g1[k]))
+                bad = has_negative(layer[k])
+                if bad:
+                    raise RuntimeError(f"{variant.name} {kind} {k}: per-layer split went negative for {bad}")
+            sums = {k: summarize(layer[k]) for k in kinds}
+
+            def per(fn, kinds=kinds):
+                values = {k: fn(k) for k in kinds}
+                return {**values, "total": sum(values.values())}
+
+            solves = {k: {key: solve_counts(g2[k])[key] - solve_counts(g1[k])[key]
+                          for key in ("kernels", "vector_flops", "bytes")} for k in kinds}
+            row = {
+                "description": variant.description,
+                "families": list(variant.families),
+                "fusions_per_layer": {f: n - g1["fusions"].get(f, 0) for f, n in g2["fusions"].items()
+                                      if n or g1["fusions"].get(f)},
+                "fused_kernels": {k: fused_kernels(layer[k]) for k in kinds},
+                "kernels": per(lambda k: sums[k]["kernels"]["total"]),
+                "bytes_read": per(lambda k: sum(r["bytes_read"] for r in layer[k].values())),
+                "bytes_written": per(lambda k: sum(r["bytes_written"] for r in layer[k].values())),
+                "bytes": per(lambda k: sums[k]["bytes"]["non_matmul"]),
+                "attention_bytes": per(lambda k: sums[k]["bytes"]["attention"]),
+                "glue_bytes": per(lambda k: sums[k]["bytes"]["glue"]),
+                "flops": per(lambda k: sums[k]["flops"]["total"]),
+                "attention_flops": per(lambda k: sums[k]["flops"]["attention"]),
+                "est_ms": per(lambda k: _ms(sums[k]["bytes"]["non_matmul"])),
+                "roofline_ms": per(lambda k: sums[k]["roofline_ms"]["total"]),
+                "roofline_ms_by_category": {c: sum(sums[k]["roofline_ms"][c] for k in kinds) for c in CATEGORIES},
+                "solve_triangular": solves,
+                "bmm": {k: {"kernels": op_kernels(layer[k], "aten.bmm.default"),
+                            "flops": layer[k].get("aten.bmm.default", {}).get("flops", 0)} for k in kinds},
+                "top_ops": top_ops(layer, kinds),
+                "capture_seconds": round(one["seconds"] + two["seconds"], 2),
+                "by_op": layer,
+            }
+            rows[variant.name] = row
+            log.info("qwen3.5 traffic: %s %s %s: kernels %s, %s MiB non-matmul (glue %s), %.2f TFLOP, est %.2f ms, "
+                     "roofline %.2f ms; fused %s (%.0fs)", kind, mode, variant.name,
+                     " / ".join(str(row["kernels"][k]) for k in kinds),
+                     " + ".join(f"{row['bytes'][k] / MIB:,.0f}" for k in kinds),
+                     f"{row['glue_bytes']['total'] / MIB:,.0f}", row["flops"]["total"] / 1e12,
+                     row["est_ms"]["total"], row["roofline_ms"]["total"], row["fusions_per_layer"],
+                     row["capture_seconds"])
+    return {v.name: rows[v.name] for v in variants}
+
+
+def model_shape(config, tokens: int, dtype: torch.dtype) -> dict:
+    """The shape fields a reader needs to check the numbers."""
+    return {
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "partial_rotary_factor": config.rope_parameters.get("partial_rotary_factor"),
+        "linear_num_key_heads": config.linear_num_key_heads,
+        "linear_num_value_heads": config.linear_num_value_heads,
+        "linear_key_head_dim": config.linear_key_head_dim,
+        "linear_value_head_dim": config.linear_value_head_dim,
+        "linear_conv_kernel_dim": config.linear_conv_kernel_dim,
+        "chunk_size": CHUNK,
+        "tokens": tokens,
+        "dtype": str(dtype).replace("torch.", ""),
+    }
+
+
+def measure(name: str, config, tokens: int, dtype: torch.dtype = torch.bfloat16,
+            modes: Sequence[str] = ("training", "inference"), kinds: Sequence[str] = LAYER_KINDS,
+            variants: Iterable[Qwen35Variant] = VARIANTS) -> dict:
+    """The rows of one model: per layer kind, per mode, per variant (:func:`per_layer_rows`), plus the formulas."""
+    variants = list(variants)
+    out = {"model": name, "shape": model_shape(config, tokens, dtype),
+           "expected_forward_flops_per_layer": {
+               "linear_attention": {"deltanet": expected_deltanet_flops(config, tokens),
+                                    "projections": expected_projection_flops(config, tokens, "linear_attention")},
+               "full_attention": {"projections": expected_projection_flops(config, tokens, "full_attention")}},
+           "layer_kinds": {}}
+    for kind in kinds:
+        out["layer_kinds"][kind] = {"modes": {}}
+        for mode in modes:
+            out["layer_kinds"][kind]["modes"][mode] = per_layer_rows(config, kind, tokens, dtype,
+                                                                     inference=mode == "inference", variants=variants)
+    return out
+
+
+def run(quick: bool = False) -> dict:
+    """The ``qwen3_5_traffic.json`` payload (without run metadata): Qwen3.5-27B widths at S = 4096, both layer kinds,
+    training and inference, every variant of :data:`VARIANTS` (quick: the tiny Qwen3.5 at S = 128, training only:
+    a smoke test of the same code, 8 captures)."""
+    if quick:
+        name, config, tokens, modes = "tiny-qwen3.5", tiny_config(), QUICK_TOKENS, ("training",)
+    else:
+        name, config, tokens, modes = MODEL, qwen3_5_27b_config(), TOKENS, ("training", "inference")
+    return {
+        "kind": "qwen3_5_traffic",
+        "bandwidth": BANDWIDTH,
+        "peak": PEAK,
+        "verl_patch_sources": list(VERL_SOURCES),
+        "verl_attention_sources": list(FA2_SOURCES),
+        "variants": {v.name: v.description for v in VARIANTS},
+        "definitions": {
+            "per_layer": "graph(L=2) - graph(L=1), op by op, every layer of the same kind (layer_types = [kind] * L)",
+            "kernels": "as benchmarks.traffic: call_function nodes on ATen/npu ops returning a tensor, views excluded",
+            "bytes": "non-matmul kernels' tensor inputs + outputs (benchmarks.traffic.node_bytes); matmuls (the "
+            "DeltaNet's chunk bmm included) enter the roofline only",
+            "flops": "Cube FLOPs: matmuls 2MNK, attention as benchmarks.traffic; the triangular solves' FLOPs are "
+            "vector FLOPs (solve_triangular)",
+            "solve_triangular": "aten.linalg_solve_triangular kernels: n(n-1) FLOPs per unit-triangular n x n system "
+            "and right-hand side (n^2 otherwise), roofline max(FLOPs / Vector peak, bytes / bandwidth)",
+            "est_ms": "non-matmul bytes / bandwidth",
+            "roofline_ms": "sum over every kernel of max(FLOPs / peak, bytes / bandwidth) (benchmarks.traffic."
+            "kernel_time; solve_triangular at the Vector peak)",
+            "fusions_per_layer": "qwen_npu families' rewrites per layer (g2 - g1)",
+            "fused_kernels": "per layer and graph, kernels of npu.* / qwen_npu.* ops",
+        },
+        "models": {name: measure(name, config, tokens, modes=modes)},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write ``<out>/qwen3_5_traffic.json`` (run metadata, then :func:`run`'s payload)."""
+    parser = argparse.ArgumentParser(description="qwen_npu Qwen3.5 traffic per decoder layer kind (issue 25)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
+    parser.add_argument("--quick", action="store_true", help="tiny Qwen3.5 at S=128, training only: a smoke test")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[bench] %(message)s", stream=sys.stderr)
+    start = time.perf_counter()
+    payload = run(quick=args.quick)
+    elapsed = time.perf_counter() - start
+    command = "python -m benchmarks.qwen3_5_traffic " + " ".join(sys.argv[1:] if argv is None else argv)
+    data = {"meta": {**run_metadata(command.strip()), "quick": args.quick, "part_seconds": round(elapsed, 1)}, **payload}
+    path = write_json(args.out / "qwen3_5_traffic.json", data)
+    log.info("wrote %s (%.1fs)", path, elapsed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -68,26 +68,46 @@ def _order(sizes: Sequence[int], strides: Sequence[int]) -> tuple[int, ...]:
     return tuple(sorted(dims, key=lambda d: (-strides[d], d)))
 
 
-def _static_size(size) -> int | None:
-    return size if isinstance(size, int) else None
+def _hint(value) -> int | None:
+    """An int, or a SymInt's hint (the value of this compile's example), read without installing a guard
+    (``int(symint)`` would specialise the graph to it: a recompile per sequence length); None when unbacked."""
+    if isinstance(value, int):
+        return value
+    node = getattr(value, "node", None)
+    hint = getattr(node, "hint", None)
+    return hint if isinstance(hint, int) else None
+
+
+def _layout(t: torch.Tensor) -> tuple[list[int], list[int]] | None:
+    """``(sizes, strides)`` of ``t`` as ints (hints of symbolic ones, no guards), or None when one is unbacked."""
+    sizes, strides = [_hint(s) for s in t.shape], [_hint(s) for s in t.stride()]
+    return None if None in sizes or None in strides else (sizes, strides)
+
+
+def _is_row_major(sizes: Sequence[int], strides: Sequence[int]) -> bool:
+    expected = 1
+    for size, stride in zip(reversed(sizes), reversed(strides)):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _probe_like(fake: torch.Tensor, out_rank: int) -> torch.Tensor | None:
     """A small CPU tensor with ``fake``'s dtype, its dims of size 1 and its layout (dimension order,
     expanded dims), the sizes of the other dims from :data:`_PROBE_SIZES` aligned to the output's
     dims from the right (broadcasting). None when ``fake``'s layout is not dense or expanded."""
+    layout = _layout(fake)
+    if layout is None:  # unbacked sizes: a layout the probe cannot rebuild
+        return None
+    fake_sizes, strides = layout
     rank = fake.dim()
     offset = out_rank - rank
     sizes, expanded = [], []
     for d in range(rank):
-        one = _static_size(fake.shape[d]) == 1
-        stride = fake.stride(d)
-        expanded.append(not one and isinstance(stride, int) and stride == 0)
+        one = fake_sizes[d] == 1
+        expanded.append(not one and strides[d] == 0)
         sizes.append(1 if one else _PROBE_SIZES[offset + d])
-    try:
-        strides = [int(s) for s in fake.stride()]
-    except (TypeError, RuntimeError):  # symbolic strides: a layout the probe cannot rebuild
-        return None
     order = sorted((d for d in range(rank) if not expanded[d]), key=lambda d: (-strides[d], d))
     base = [1 if expanded[d] else sizes[d] for d in range(rank)]
     dense = [0] * rank
@@ -119,17 +139,18 @@ def _candidate(node: torch.fx.Node) -> bool:
     if len(args) < 2 or any(a.dim() > out.dim() for a in args):
         return False
     rank = out.dim()
+    out_layout = _layout(out)
+    if out_layout is None:
+        return False
     orders = set()
     for a in args:
-        try:
-            sizes = [_static_size(s) or 2 for s in a.shape]
-            strides = [int(s) for s in a.stride()]
-        except (TypeError, RuntimeError):
+        layout = _layout(a)
+        if layout is None:
             return False
-        # broadcast check against the output (dims aligned from the right)
-        for d, s in enumerate(a.shape):
-            o = out.shape[rank - a.dim() + d]
-            if _static_size(s) != 1 and _static_size(s) is not None and _static_size(o) is not None and s != o:
+        sizes, strides = layout
+        # broadcast check against the output (dims aligned from the right), on hints: no guard
+        for d, size in enumerate(sizes):
+            if size != 1 and size != out_layout[0][rank - a.dim() + d]:
                 return False
         orders.add(tuple(d + rank - a.dim() for d in _order(sizes, strides)))
     return len(orders) > 1
@@ -145,6 +166,15 @@ def eager_layout_mismatch(node: torch.fx.Node) -> tuple[tuple[int, ...], tuple[i
     """
     if not _candidate(node):
         return None
+    # AOTAutograd may compile a graph with its FakeTensorMode still on the dispatch stack (the backward of a
+    # dynamic-shape graph): the probe must run the real kernels
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return _probe(node)
+
+
+def _probe(node: torch.fx.Node) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     out = node.meta["val"]
     rank = out.dim()
     args = list(node.args)
@@ -159,15 +189,15 @@ def eager_layout_mismatch(node: torch.fx.Node) -> tuple[tuple[int, ...], tuple[i
     try:
         with torch.no_grad():
             real = node.target(*args, **kwargs)
-    except Exception:  # noqa: BLE001 - an op the probe cannot run is not audited
+    except Exception as exc:  # noqa: BLE001 - an op the probe cannot run is not audited
+        log.debug("qwen_npu: layout probe of %s (%s) could not run: %s", node.name, node.target, exc)
         return None
     if not isinstance(real, torch.Tensor) or real.dim() != rank:
         return None
-    try:
-        fake_sizes = [_static_size(s) or 2 for s in out.shape]
-        fake_order = _order(fake_sizes, [int(s) for s in out.stride()])
-    except (TypeError, RuntimeError):
+    layout = _layout(out)
+    if layout is None:
         return None
+    fake_order = _order(*layout)
     real_order = _order(list(real.shape), list(real.stride()))
     if set(fake_order) != set(real_order):  # a size-1 dim the probe saw differently: not comparable
         return None
@@ -177,14 +207,13 @@ def eager_layout_mismatch(node: torch.fx.Node) -> tuple[tuple[int, ...], tuple[i
 def _pin(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
     """Insert after ``node`` a copy of its output in the layout of its fake value; return the copy."""
     fake = node.meta["val"]
+    sizes, strides = _layout(fake)  # not None: eager_layout_mismatch read it
     users = list(node.users)
     with graph.inserting_after(node):
-        if fake.is_contiguous():
+        if _is_row_major(sizes, strides):
             pinned = graph.call_function(aten.clone.default, (node,), {"memory_format": torch.contiguous_format})
             pinned.meta["val"] = fake
         else:
-            sizes = [_static_size(s) or 2 for s in fake.shape]
-            strides = [int(s) for s in fake.stride()]
             perm = sorted(range(fake.dim()), key=lambda d: (-strides[d], d if sizes[d] != 1 else -1))
             inverse = [perm.index(d) for d in range(fake.dim())]
             outer = graph.call_function(aten.permute.default, (node, perm))

@@ -125,3 +125,18 @@ def test_gate_block_trains_compiled(dtype):
     (report,) = SUMMARY.graphs
     assert [(p["graph"], p["op"]) for p in report.layout_pins] == ([("backward", "aten.softplus_backward.default")] if BUG else [])
     assert report.as_dict()["layout_pins"] == report.layout_pins
+
+
+def test_dynamic_sequence_length_is_audited_without_a_guard(npu_ops):
+    """Under dynamic shapes the audit reads the sizes' hints, never ``int(symint)``: one graph serves every
+    sequence length (a guard would recompile per length), and the pin is there in that graph."""
+    torch.manual_seed(0)
+    block = _GateBlock()
+    compiled = torch.compile(block, backend="qwen_npu", dynamic=True)
+    for seq in (16, 23, 40):
+        h = torch.randn(2, seq, 32)
+        out = compiled(h)
+        out.square().sum().backward()
+        torch.testing.assert_close(out, block(h), rtol=0, atol=0)
+    (report,) = SUMMARY.graphs
+    assert len(report.layout_pins) == (1 if BUG else 0)

@@ -1,21 +1,14 @@
-"""Qwen2 / Qwen2.5 (and Qwen3, Llama 3.x, Mistral) models for ``qwen-npu-compile check MODEL``.
+"""Qwen2 / Qwen2.5 (and Qwen3, Llama 3.x, Mistral, the Qwen MoE models, Qwen3.5 and Qwen3-Next) models for
+``qwen-npu-compile check MODEL``.
 
-``MODEL`` is either a preset name (:data:`PRESETS`; case-insensitive, an optional ``Qwen/`` prefix is
-accepted, e.g. ``Qwen/Qwen2.5-0.5B``) or a local Hugging Face model directory holding a
-``config.json`` with ``model_type: qwen2``. A preset builds a model with random weights (no model hub
-is needed); a local directory builds random weights too unless it also holds weights
-(``*.safetensors`` or ``pytorch_model.bin``), which are then loaded.
-
-The presets are the architecture fields of the published Hugging Face ``config.json`` of the *base*
-models (``Qwen/Qwen2-0.5B``, ..., ``Qwen/Qwen2.5-72B``), not the ``-Instruct`` ones: those share every
-shape, but differ in ``max_position_embeddings`` / ``sliding_window`` (32768 for most Instruct models)
-and, for Qwen2.5-14B/32B/72B, in ``rms_norm_eps`` (Instruct 1e-6, base 1e-5).
-
-Other families with the same four blocks (RMSNorm, SwiGLU MLP, rotate-half RoPE, GQA attention) have
-presets too (:data:`FAMILIES`): ``qwen3-0.6b``, ``qwen3-8b`` (``Qwen/Qwen3-*``: per-head q_norm/k_norm,
-so 4 RMSNorms per layer; no q/k/v bias; head_dim 128), ``llama-3.1-8b`` (``meta-llama/Llama-3.1-8B``:
-llama3 RoPE scaling) and ``mistral-7b`` (``mistralai/Mistral-7B-v0.1``: sliding window 4096). A local
-directory with ``model_type`` qwen3, llama or mistral is accepted too.
+``MODEL`` is either a preset name (:data:`PRESETS`, the data of :mod:`.presets` with their sources;
+case-insensitive, an optional ``Qwen/``, ``meta-llama/`` or ``mistralai/`` prefix is accepted, e.g.
+``Qwen/Qwen2.5-0.5B``) or a local Hugging Face model directory holding a ``config.json`` whose ``model_type``
+is one of :data:`SUPPORTED_MODEL_TYPES` (:data:`FAMILIES`: config class, causal-LM class, q/k/v bias). A preset
+builds a model with random weights (no model hub is needed); a local directory builds random weights too
+unless it also holds weights (``*.safetensors`` or ``pytorch_model.bin``), which are then loaded. A
+multimodal Qwen3.5 directory (``model_type`` qwen3_5 / qwen3_5_moe, a ``text_config``) builds its text model
+(``Qwen3_5(Moe)ForCausalLM``; :func:`_text_config_data`).
 
 The memory estimate (:func:`estimate_memory_bytes`) lets the caller refuse a run that would not fit
 (:func:`available_memory_bytes`).
@@ -37,6 +30,8 @@ import torch
 import transformers
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from .presets import _ALIASES, _ORG_PREFIXES, PRESETS  # noqa: F401  (PRESETS: this module's public name)
+
 log = logging.getLogger(__name__)
 
 #: model_type -> (transformers config class, causal-LM class, q/k/v bias). Llama and Mistral have no
@@ -48,15 +43,22 @@ FAMILIES: dict[str, tuple[str, str, bool]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM", False),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", True),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", False),
+    # hybrid Gated DeltaNet + gated attention (issue 25): transformers 5.x (Qwen3.5), 4.57+ (Qwen3-Next)
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", False),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", False),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", False),
 }
 
-#: The ``model_type`` values of a local ``config.json`` this module builds.
-SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+#: The hybrid model types (Gated DeltaNet layers with a full-attention layer every ``full_attention_interval``).
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 
-#: Organisation prefixes accepted before a preset name (``Qwen/Qwen3-8B``, ``meta-llama/Llama-3.1-8B``).
-_ORG_PREFIXES = ("qwen/", "meta-llama/", "mistralai/")
-#: Other spellings of preset names (the Hugging Face repository names).
-_ALIASES = {"meta-llama-3.1-8b": "llama-3.1-8b", "mistral-7b-v0.1": "mistral-7b"}
+#: Multimodal ``model_type`` -> the text model type of its ``text_config`` (the released Qwen3.5 checkpoints are
+#: ``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration``); ``check`` builds the text model.
+MULTIMODAL_TEXT_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+
+#: The ``model_type`` values of a local ``config.json`` this module builds.
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES) + tuple(MULTIMODAL_TEXT_TYPES)
+
 
 #: ``attn_implementation`` values :func:`build_model` accepts.
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -85,265 +87,19 @@ ARCH_FIELDS = (
     "moe_intermediate_size",
     "shared_expert_intermediate_size",
     "norm_topk_prob",
+    # hybrid models (Qwen3.5, Qwen3-Next): the Gated DeltaNet's shape and which layers are full attention
+    "layer_types",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
 )
 
 #: Weight files that make a local directory a "local-weights" model.
 _WEIGHT_GLOBS = ("*.safetensors", "pytorch_model.bin", "pytorch_model-*.bin")
 
 _GIB = 1024**3
-
-# Fields every Qwen2/Qwen2.5 base config.json shares (attention_dropout 0.0, SiLU gate, RoPE base 1e6,
-# no sliding window in use).
-_COMMON = {
-    "attention_dropout": 0.0,
-    "hidden_act": "silu",
-    "rope_theta": 1000000.0,
-    "use_sliding_window": False,
-}
-
-
-def _preset(**fields: Any) -> dict[str, Any]:
-    return {**_COMMON, **fields}
-
-
-# Sources checked (through the code search index; no model hub is reachable here). "HF copy" means a
-# verbatim copy of the model's huggingface.co config.json found in a public repository:
-#   [mlc]   mlc-ai/mlc-llm python/mlc_llm/model/model_preset.py (Instruct configs: shapes, eps, tying)
-#   [i6]    rwth-i6/i6_experiments users/juanola/.../configurations/qwen2/qwen2_configs.py ("Qwen2-0_5B")
-#   [kqi]   a torchKQI script in the index holding Qwen2_7B / Qwen2_72B base config.json dicts
-#   [prof]  citsjtu2020/LLM-Prof sglang/Model_Config.md (Qwen2.5-3B/7B/14B/32B base config.json)
-#   [goog]  a Google-LLC-licensed file in the index transcribing
-#           https://huggingface.co/Qwen/Qwen2.5-{0.5B,1.5B,3B,7B,14B,32B,72B}/blob/main/config.json
-#           into transformers.Qwen2Config(...) calls
-#   [lit]   Lightning-AI/litgpt litgpt/config.py (Qwen2.5-14B/32B/72B: norm_eps=1e-5, block_size 131072)
-#   [cache] a script printing ~/.cache/.../models--Qwen--Qwen2.5-0.5B/snapshots/060db64.../config.json
-#   [pin]   a pinned loader's EXPECTED_CONFIG for the Qwen2.5-1.5B base snapshot
-#   [blog]  a "FLOPs of Qwen2.5-32B" write-up quoting its config.json (rms_norm_eps 1e-05)
-#   [table] an HTML model table linking huggingface.co/Qwen/Qwen2-*/blob/main/config.json (context,
-#           layers, hidden, intermediate, heads, kv heads, tying)
-PRESETS: dict[str, dict[str, Any]] = {
-    # Qwen/Qwen2-0.5B: [i6] HF copy (base: eos 151643, max_position_embeddings 131072); [table] 128K,
-    # tied; shapes also in [mlc] qwen2_0_5b.
-    "qwen2-0.5b": _preset(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        sliding_window=131072,
-        max_window_layers=24,
-    ),
-    # Qwen/Qwen2-1.5B: shapes, vocab, eps and tying from [mlc] qwen2_1_5b (the Instruct config.json,
-    # same weights' shapes); 28 layers / 1536 / 8960 / 12 / 2 / tied / 128K context from [table];
-    # eps 1e-6 also in a code comment citing the base config.json. max_position_embeddings 131072 is
-    # corroborated ([table], and a page noting the base config.json exceeds the 32K of the blog) but
-    # not seen in a verbatim copy; sliding_window and max_window_layers are inferred (unverified) from
-    # the other Qwen2 base configs, where sliding_window == max_position_embeddings.
-    "qwen2-1.5b": _preset(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        sliding_window=131072,
-        max_window_layers=28,
-    ),
-    # Qwen/Qwen2-7B: [kqi] HF copy (Qwen2_7B: vocab 152064, untied, eps 1e-6, 131072); shapes also in
-    # [mlc] qwen2_7b and [table].
-    "qwen2-7b": _preset(
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        sliding_window=131072,
-        max_window_layers=28,
-    ),
-    # Qwen/Qwen2.5-0.5B: [cache] HF copy and [goog] (max_position_embeddings 32768, sliding 32768).
-    "qwen2.5-0.5b": _preset(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        sliding_window=32768,
-        max_window_layers=24,
-    ),
-    # Qwen/Qwen2.5-1.5B: [goog] and [pin] (131072, tied, eps 1e-6).
-    "qwen2.5-1.5b": _preset(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        sliding_window=131072,
-        max_window_layers=28,
-    ),
-    # Qwen/Qwen2.5-3B: [prof] HF copy and [goog] (32768, tied, eps 1e-6).
-    "qwen2.5-3b": _preset(
-        hidden_size=2048,
-        intermediate_size=11008,
-        num_hidden_layers=36,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        sliding_window=32768,
-        max_window_layers=36,
-    ),
-    # Qwen/Qwen2.5-7B: [prof] HF copy and [goog] (vocab 152064, untied, eps 1e-6, 131072).
-    "qwen2.5-7b": _preset(
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152064,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        sliding_window=131072,
-        max_window_layers=28,
-    ),
-    # Qwen/Qwen2.5-14B: [prof] HF copy, [goog], [lit] (eps 1e-5 in the base config).
-    "qwen2.5-14b": _preset(
-        hidden_size=5120,
-        intermediate_size=13824,
-        num_hidden_layers=48,
-        num_attention_heads=40,
-        num_key_value_heads=8,
-        vocab_size=152064,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        sliding_window=131072,
-        max_window_layers=48,
-    ),
-    # Qwen/Qwen2.5-32B: [prof] HF copy, [goog], [lit], [blog] (eps 1e-5).
-    "qwen2.5-32b": _preset(
-        hidden_size=5120,
-        intermediate_size=27648,
-        num_hidden_layers=64,
-        num_attention_heads=40,
-        num_key_value_heads=8,
-        vocab_size=152064,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        sliding_window=131072,
-        max_window_layers=64,
-    ),
-    # Qwen/Qwen2.5-72B: [goog], [lit] (eps 1e-5, 131072); shapes also in [table].
-    "qwen2.5-72b": _preset(
-        hidden_size=8192,
-        intermediate_size=29568,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        vocab_size=152064,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        sliding_window=131072,
-        max_window_layers=80,
-    ),
-    # Qwen/Qwen3-0.6B config.json (transformers 4.51.0), as quoted verbatim in public copies found with the
-    # code search (e.g. a "Constants for Qwen/Qwen3-0.6B (.../raw/main/config.json)" header; torchtune's
-    # qwen3_0_6b builder agrees on the shapes): head_dim 128 (not hidden/heads = 64), 40960 context, tied.
-    "qwen3-0.6b": dict(
-        model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
-        sliding_window=None, use_sliding_window=False, max_window_layers=28, attention_bias=False,
-        attention_dropout=0.0, hidden_act="silu",
-    ),
-    # Qwen/Qwen3-8B config.json: 36 layers, 4096/12288, 32 heads / 8 KV heads of 128, untied.
-    "qwen3-8b": dict(
-        model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
-        sliding_window=None, use_sliding_window=False, max_window_layers=36, attention_bias=False,
-        attention_dropout=0.0, hidden_act="silu",
-    ),
-    # meta-llama/Llama-3.1-8B config.json: llama3 RoPE scaling (factor 8, low/high freq factor 1/4,
-    # original context 8192), rope_theta 500000, eps 1e-5, vocab 128256, untied.
-    "llama-3.1-8b": dict(
-        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-        tie_word_embeddings=False, attention_bias=False, mlp_bias=False, attention_dropout=0.0, hidden_act="silu",
-    ),
-    # mistralai/Mistral-7B-v0.1 config.json: sliding window 4096, rope_theta 10000, vocab 32000, eps 1e-5.
-    "mistral-7b": dict(
-        model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32000,
-        max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=4096,
-        tie_word_embeddings=False, attention_dropout=0.0, hidden_act="silu",
-    ),
-    # MoE (issue 20; the moe fusion family). Shapes of the published config.json files (huggingface.co/Qwen/<name>):
-    # the Qwen3-MoE shapes agree with THUDM/slime scripts/models/qwen3-{30B-A3B,235B-A22B}.sh (hidden, FFN, MoE
-    # FFN, heads/groups, kv-channels 128, layers, experts 128, top-8, eps 1e-6, rope 1e6, vocab 151936, untied);
-    # Qwen1.5-MoE-A2.7B with a config.json copy (Qwen1.5-MoE-A2.7B-Chat-GPTQ-Int4 model card: 60 experts, top-4,
-    # moe_intermediate 1408, max_window_layers 21, context 32768); the shared-expert widths and Qwen2-57B-A14B's
-    # config were not found in the index (from the published configs as recalled: the parameter counts they give,
-    # tests/patterns/test_moe.py, match the published totals 30.5B / 235B / 14.3B / 57.4B within 1%).
-    "qwen3-30b-a3b": dict(
-        model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
-        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
-        sliding_window=None, use_sliding_window=False, max_window_layers=48, attention_bias=False,
-        attention_dropout=0.0, hidden_act="silu",
-    ),
-    "qwen3-235b-a22b": dict(
-        model_type="qwen3_moe", hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
-        num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128, num_experts=128,
-        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
-        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
-        sliding_window=None, use_sliding_window=False, max_window_layers=94, attention_bias=False,
-        attention_dropout=0.0, hidden_act="silu",
-    ),
-    "qwen1.5-moe-a2.7b": dict(
-        model_type="qwen2_moe", hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
-        shared_expert_intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
-        num_experts=60, num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
-        vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
-        tie_word_embeddings=False, sliding_window=32768, use_sliding_window=False, max_window_layers=21,
-        attention_dropout=0.0, hidden_act="silu",
-    ),
-    "qwen2-57b-a14b": dict(
-        model_type="qwen2_moe", hidden_size=3584, intermediate_size=18944, moe_intermediate_size=2560,
-        shared_expert_intermediate_size=20480, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-        num_experts=64, num_experts_per_tok=8, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
-        vocab_size=151936, max_position_embeddings=131072, rms_norm_eps=1e-6, rope_theta=1000000.0,
-        tie_word_embeddings=False, sliding_window=131072, use_sliding_window=False, max_window_layers=28,
-        attention_dropout=0.0, hidden_act="silu",
-    ),
-}
 
 
 def _family(config: Any) -> tuple[str, str, bool]:
@@ -359,12 +115,22 @@ def rms_norms_per_layer(config: Any) -> int:
     return RmsNormFamily.expected_per_layer(config)
 
 
+def _transformers_class(name: str, model_type: str):
+    """``transformers.<name>``; a one-line ValueError naming the model type where this transformers lacks it
+    (Qwen3.5 needs transformers 5.x, Qwen3-Next 4.57)."""
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        raise ValueError(f"transformers {transformers.__version__} has no {name}: model_type {model_type!r} needs a "
+                         "newer transformers (Qwen3-Next: 4.57 or later; Qwen3.5: 5.x)")
+    return cls
+
+
 def _config_class(model_type: str):
-    return getattr(transformers, FAMILIES[model_type][0])
+    return _transformers_class(FAMILIES[model_type][0], model_type)
 
 
 def _model_class(config: Any):
-    return getattr(transformers, _family(config)[1])
+    return _transformers_class(_family(config)[1], getattr(config, "model_type", "qwen2"))
 
 
 def preset_names() -> list[str]:
@@ -410,6 +176,9 @@ def _arch_subset(config: Any) -> dict[str, Any]:
     d = config.to_dict()
     out = {k: d.get(k) for k in ARCH_FIELDS}
     out["rope_theta"] = _rope_theta(config)
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and "partial_rotary_factor" in params:  # Qwen3.5 / Qwen3-Next (5.x)
+        out["partial_rotary_factor"] = params["partial_rotary_factor"]
     return out
 
 
@@ -440,14 +209,45 @@ def _config_from_dir(directory: Path) -> Qwen2Config:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"{config_file} has model_type {model_type!r}; supported model types: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)} (Qwen2/Qwen2.5, Qwen3, Llama, Mistral checkpoints). "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (Qwen2/Qwen2.5, Qwen3, Llama, Mistral, Qwen1.5/Qwen2-MoE, Qwen3-MoE, "
+            f"Qwen3.5 and Qwen3.5-MoE (multimodal: their text model), Qwen3-Next checkpoints). "
             f"Presets: {_presets_text()}."
         )
+    if model_type in MULTIMODAL_TEXT_TYPES:
+        data = _text_config_data(data, config_file, model_type)
+        model_type = data["model_type"]
+    config_class = _config_class(model_type)
     try:
-        return _config_class(model_type).from_dict(data)
+        return config_class.from_dict(data)
     except Exception as exc:  # transformers 5.x raises huggingface_hub's StrictDataclass*Error here
         name = FAMILIES[model_type][0].removesuffix("Config")  # Qwen2, Qwen3, Llama, Mistral
         raise ValueError(f"{config_file} is not a valid {name} config: {exc}") from exc
+
+
+def _text_config_data(data: dict, config_file: Path, model_type: str) -> dict:
+    """The ``text_config`` of a multimodal Qwen3.5 ``config.json`` as a text model's config dict.
+
+    The released Qwen3.5 checkpoints are ``Qwen3_5(Moe)ForConditionalGeneration`` (vision tower + text model);
+    ``check`` builds and compares the text model (``Qwen3_5(Moe)ForCausalLM``), which is what the fusions see: its
+    ``model_type`` is set to the text type (``qwen3_5_text`` / ``qwen3_5_moe_text``) and a top-level
+    ``tie_word_embeddings`` the text_config lacks is carried over. transformers' loading maps the checkpoint's
+    ``model.language_model.*`` weights onto the text model and skips ``model.visual.*`` / ``mtp.*``.
+
+    Raises:
+        ValueError: no ``text_config`` object in the file (one line, saying what to do).
+    """
+    text = data.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(
+            f"{config_file} has model_type {model_type!r} but no text_config object; check builds the text model of a "
+            f"multimodal Qwen3.5 checkpoint from its text_config (or give a directory whose config.json is a "
+            f"{MULTIMODAL_TEXT_TYPES[model_type]!r} config)"
+        )
+    out = dict(text)
+    out["model_type"] = MULTIMODAL_TEXT_TYPES[model_type]
+    if "tie_word_embeddings" not in out and "tie_word_embeddings" in data:
+        out["tie_word_embeddings"] = data["tie_word_embeddings"]
+    return out
 
 
 def resolve_model_config(model: str) -> Qwen2Config:
@@ -458,7 +258,8 @@ def resolve_model_config(model: str) -> Qwen2Config:
     Args:
         model: A preset name (a key of :data:`PRESETS`, case-insensitive, optional ``Qwen/`` prefix,
             e.g. ``"Qwen/Qwen2.5-0.5B"``), or a path to a local Hugging Face model directory holding a
-            ``config.json`` whose ``model_type`` is ``qwen2``.
+            ``config.json`` whose ``model_type`` is one of :data:`SUPPORTED_MODEL_TYPES` (a multimodal Qwen3.5
+            ``config.json`` gives its ``text_config``'s text model).
 
     Returns:
         A new config of the model's family (:data:`FAMILIES`; :class:`transformers.Qwen2Config` for Qwen2)
@@ -466,7 +267,7 @@ def resolve_model_config(model: str) -> Qwen2Config:
 
     Raises:
         ValueError: ``model`` is a directory without ``config.json``, with an unreadable or invalid one,
-            or with a ``model_type`` other than ``qwen2`` (the message names the supported model types and lists
+            or with a ``model_type`` not in :data:`SUPPORTED_MODEL_TYPES` (the message names the supported model types and lists
             the presets); or ``model`` is neither a directory nor a preset (the message lists the
             presets, sorted, and says a local directory with a ``config.json`` is also accepted).
     """
@@ -479,7 +280,8 @@ def resolve_model_config(model: str) -> Qwen2Config:
         return _config_class(fields.pop("model_type", "qwen2"))(**fields)
     raise ValueError(
         f"unknown model {model!r}: not a preset and not a directory. Presets: {_presets_text()}. "
-        "A local Hugging Face model directory holding a config.json (model_type qwen2) is also accepted."
+        "A local Hugging Face model directory holding a config.json is also accepted (model types: "
+        f"{', '.join(SUPPORTED_MODEL_TYPES)})."
     )
 
 
@@ -656,7 +458,7 @@ def build_model(
 
 
 def estimate_num_parameters(config: Any, *, layers: int | None = None) -> int:
-    """Number of parameters of a Qwen2 causal LM, from its config alone.
+    """Number of parameters of a causal LM of :data:`FAMILIES`, from its config alone (Qwen2 described here).
 
     Per decoder layer: q/k/v projections with bias (``h·h + h`` and ``2·(h·kv + kv)``, ``kv =
     num_key_value_heads · head_dim``), o projection without bias (``h·h``), the SwiGLU MLP
@@ -667,10 +469,15 @@ def estimate_num_parameters(config: Any, *, layers: int | None = None) -> int:
         config: A :class:`transformers.Qwen2Config` (or an object with the same attributes).
         layers: Decoder layers to count; ``None`` uses ``config.num_hidden_layers``.
 
+    Hybrid models (:data:`HYBRID_MODEL_TYPES`: Qwen3.5, Qwen3.5-MoE, Qwen3-Next) are counted per layer kind by
+    :func:`_hybrid_num_parameters`.
+
     Returns:
         The parameter count (elements, not bytes).
     """
     n_layers = config.num_hidden_layers if layers is None else layers
+    if getattr(config, "model_type", None) in HYBRID_MODEL_TYPES:
+        return _hybrid_num_parameters(config, n_layers)
     h = config.hidden_size
     inter = config.intermediate_size
     heads = config.num_attention_heads
@@ -695,6 +502,55 @@ def estimate_num_parameters(config: Any, *, layers: int | None = None) -> int:
     vocab = config.vocab_size
     lm_head = 0 if config.tie_word_embeddings else vocab * h
     return n_layers * per_layer + sparse * per_layer_sparse_delta + vocab * h + h + lm_head
+
+
+def _hybrid_num_parameters(config: Any, layers: int) -> int:
+    """Parameters of the first ``layers`` decoder layers of a hybrid causal LM (Qwen3.5 / Qwen3.5-MoE /
+    Qwen3-Next, transformers 5.x modeling), plus embedding, final norm and LM head (unless tied).
+
+    A formula, not a meta-device build: ``check`` evaluates it for every preset before building anything (the
+    memory refusal), and the first import of a transformers modeling module alone costs ~5 s.
+    ``tests/e2e/test_hybrid_presets.py`` pins it to ``sum(p.numel())`` of the model built on the meta device,
+    for every hybrid preset, whole and cut to 4 layers. Per layer, with ``h`` hidden, ``K = linear_num_key_heads
+    · linear_key_head_dim``, ``Vd = linear_num_value_heads · linear_value_head_dim``, ``nv`` value heads:
+
+    * ``linear_attention`` (Gated DeltaNet): ``in_proj_qkv`` ``h·(2K + Vd)`` (Qwen3-Next's ``in_proj_qkvz`` and
+      ``in_proj_ba`` hold the same), ``in_proj_z`` ``h·Vd``, ``in_proj_b`` and ``in_proj_a`` ``h·nv`` each, the
+      depthwise ``conv1d`` ``(2K + Vd)·linear_conv_kernel_dim``, ``A_log`` and ``dt_bias`` ``nv`` each, the gated
+      norm's weight ``linear_value_head_dim``, ``out_proj`` ``Vd·h``;
+    * ``full_attention`` (gated attention): ``q_proj`` ``h·2·a·d`` (query and output gate), ``k_proj`` and
+      ``v_proj`` ``h·kv·d`` each, ``o_proj`` ``a·d·h``, ``q_norm`` and ``k_norm`` ``d`` each (with
+      ``attention_bias``: ``2·a·d + 2·kv·d + h`` more);
+    * the MLP: dense SwiGLU ``3·h·I``; a sparse layer (:func:`_moe_sparse_layers`) the router ``E·h``, ``E``
+      experts ``3·h·I_moe`` each, the shared expert ``3·h·I_shared`` and its sigmoid gate ``h``;
+    * two RMSNorm weights ``2·h``.
+    """
+    h = config.hidden_size
+    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+    value_dim = config.linear_num_value_heads * config.linear_value_head_dim
+    nv = config.linear_num_value_heads
+    conv_dim = 2 * key_dim + value_dim
+    linear = (h * conv_dim + h * value_dim + 2 * h * nv + conv_dim * config.linear_conv_kernel_dim + 2 * nv
+              + config.linear_value_head_dim + value_dim * h)
+    heads, d = config.num_attention_heads, config.head_dim
+    kv = (config.num_key_value_heads or heads) * d
+    full = 2 * h * heads * d + 2 * h * kv + heads * d * h + 2 * d
+    if getattr(config, "attention_bias", False):
+        full += 2 * heads * d + 2 * kv + h
+    sparse = set(_moe_sparse_layers(config, layers))
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    total = 0
+    for i in range(layers):
+        kind = layer_types[i] if i < len(layer_types) else "full_attention"
+        total += (linear if kind == "linear_attention" else full) + 2 * h
+        if i in sparse:
+            experts = config.num_experts
+            shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
+            total += experts * h + experts * 3 * h * config.moe_intermediate_size + (3 * h * shared + h if shared else 0)
+        else:
+            total += 3 * h * config.intermediate_size
+    vocab = config.vocab_size
+    return total + vocab * h + h + (0 if config.tie_word_embeddings else vocab * h)
 
 
 def _moe_sparse_layers(config: Any, layers: int) -> list[int]:
@@ -787,13 +643,14 @@ def memory_plan(
         raise ValueError(f"layers must be >= 1, got {n_layers}")
     c = torch.empty((), dtype=dtype).element_size()
     b = 4 if autocast else c
-    h, heads, inter, vocab = config.hidden_size, config.num_attention_heads, config.intermediate_size, config.vocab_size
+    h, heads, inter, vocab = config.hidden_size, config.num_attention_heads, _mlp_width(config), config.vocab_size
     tokens = batch * seq_len
     n_params = estimate_num_parameters(config, layers=n_layers)
 
     def activations(e: int) -> int:
         if train:
-            return n_layers * tokens * (34 * h + 5 * heads * seq_len + max(0, 6 * inter - 16 * h)) * e // 2
+            return (n_layers * tokens * (34 * h + 5 * heads * seq_len + max(0, 6 * inter - 16 * h)) * e // 2
+                    + _delta_net_activations(config, n_layers, tokens, e))
         return tokens * (4 * h + 3 * inter) * e + batch * heads * seq_len * seq_len * e
 
     def logits(e: int) -> int:
@@ -830,6 +687,37 @@ def memory_plan(
     parts_by_phase["comparing"] = parts
     peak = max(phases, key=phases.__getitem__)
     return MemoryPlan(phases=phases, parts=parts_by_phase[peak], runtime=_GIB)
+
+
+def _mlp_width(config: Any) -> int:
+    """The MLP width per token of the activation estimate: ``intermediate_size``; for a hybrid MoE model (which may
+    have no ``intermediate_size``: Qwen3.5-MoE) the routed experts' ``num_experts_per_tok · moe_intermediate_size``
+    plus the shared expert's width."""
+    if getattr(config, "model_type", None) in HYBRID_MODEL_TYPES and getattr(config, "num_experts", 0):
+        shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
+        return config.num_experts_per_tok * config.moe_intermediate_size + shared
+    return config.intermediate_size
+
+
+def _delta_net_activations(config: Any, layers: int, tokens: int, e: int) -> int:
+    """Saved activations of the Gated DeltaNet layers among the first ``layers`` of a hybrid model beyond the
+    per-layer term of :func:`memory_plan` (training), bytes; 0 for other models.
+
+    Per token: the projections and the conv output (``2·(2K + Vd) + 2·Vd`` elements of the activation dtype, ``e``
+    bytes) and transformers' ``torch_chunk_gated_delta_rule``, which works in fp32 on q and k repeated to the value
+    heads (``nv·dk`` each) and v (``nv·dv``), saving about 8 and 4 copies of them, the chunk-of-64 attention
+    matrices (about 4 of ``nv·64``) and one recurrent state ``[nv, dk, dv]`` per chunk of 64 tokens. An estimate
+    that errs high (the check's peaks at ``--layers 4`` are the parameters, exactly counted).
+    """
+    if getattr(config, "model_type", None) not in HYBRID_MODEL_TYPES:
+        return 0
+    kinds = list(getattr(config, "layer_types", None) or [])[:layers]
+    linear = sum(kind == "linear_attention" for kind in kinds)
+    nv, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    key_dim, value_dim = config.linear_num_key_heads * dk, nv * dv
+    projections = (2 * (2 * key_dim + value_dim) + 2 * value_dim) * e
+    rule = (8 * nv * dk + 4 * nv * dv + 4 * nv * 64 + -(-nv * dk * dv // 64)) * 4
+    return linear * tokens * (projections + rule)
 
 
 def estimate_memory_bytes(

@@ -16,11 +16,12 @@ def print_table(result: dict) -> None:
     torch_npu = found["torch_npu"] if found["torch_npu"] else "none (npu ops simulated)"
     torchair = f", torchair {found['torchair']}" if found["torchair"] else ""
     print(f"  ran with torch {found['torch']}, transformers {found['transformers']}, torch_npu {torch_npu}{torchair}")
-    print(f"  {'family':<12}{'fused':>8}{'expected':>10}  status")
+    width = max([12, *(len(family) + 1 for family in result["fusions"])])  # rms_norm_gated: 14 characters
+    print(f"  {'family':<{width}}{'fused':>8}{'expected':>10}  status")
     for family, row in result["fusions"].items():
         got = row["fused"] + row["already_fused"]
         note = f" ({row['already_fused']} already fused)" if row["already_fused"] else ""
-        print(f"  {family:<12}{got:>8}{row['expected']:>10}  {'ok' if got == row['expected'] else 'MISSING'}{note}")
+        print(f"  {family:<{width}}{got:>8}{row['expected']:>10}  {'ok' if got == row['expected'] else 'MISSING'}{note}")
     half = "eager_rel_l2_to_fp32" in result["parity"]["logits"]
     if half:
         print(f"  {'parity':<12}{'max abs':>11}{'rel l2':>11}{'eager→fp32':>12}{'ours→fp32':>11}{'bound':>10}  status")

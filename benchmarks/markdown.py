@@ -541,14 +541,14 @@ def qwen3_5_table(data: dict) -> str:
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in data["models"].values():
         for kind, entry in m["layer_kinds"].items():
-            for mode, rows in entry["modes"].items():
+            for j, (mode, rows) in enumerate(entry["modes"].items()):
                 base = rows.get("qwen_npu", {}).get("roofline_ms", {}).get("total")
                 for i, (variant, row) in enumerate(rows.items()):
                     kinds = [k for k in ("forward", "backward") if k in row["kernels"]]
                     by = row["roofline_ms_by_category"]
                     ratio = f"{row['roofline_ms']['total'] / base:.2f}" if base else "–"
                     out.append(
-                        f"| {_Q35_KINDS.get(kind, kind) if i == 0 and mode == 'training' else ''} | "
+                        f"| {_Q35_KINDS.get(kind, kind) if i == 0 and j == 0 else ''} | "
                         f"{mode if i == 0 else ''} | {_Q35_LABELS.get(variant, variant)} | "
                         + " / ".join(str(row["kernels"][k]) for k in kinds) + " | "
                         + " + ".join(f"{row['bytes'][k] / MIB:,.0f}" for k in kinds)

@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import logging
 import sys
 import time
@@ -469,14 +470,15 @@ def measure(name: str, config, tokens: int, dtype: torch.dtype = torch.bfloat16,
     return out
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, kinds: Sequence[str] = LAYER_KINDS, modes: Sequence[str] | None = None) -> dict:
     """The ``qwen3_5_traffic.json`` payload (without run metadata): Qwen3.5-27B widths at S = 4096, both layer kinds,
     training and inference, every variant of :data:`VARIANTS` (quick: the tiny Qwen3.5 at S = 128, training only:
     a smoke test of the same code, 8 captures)."""
     if quick:
-        name, config, tokens, modes = "tiny-qwen3.5", tiny_config(), QUICK_TOKENS, ("training",)
+        name, config, tokens, default_modes = "tiny-qwen3.5", tiny_config(), QUICK_TOKENS, ("training",)
     else:
-        name, config, tokens, modes = MODEL, qwen3_5_27b_config(), TOKENS, ("training", "inference")
+        name, config, tokens, default_modes = MODEL, qwen3_5_27b_config(), TOKENS, ("training", "inference")
+    modes = tuple(modes or default_modes)
     return {
         "kind": "qwen3_5_traffic",
         "bandwidth": BANDWIDTH,
@@ -499,7 +501,7 @@ def run(quick: bool = False) -> dict:
             "fusions_per_layer": "qwen_npu families' rewrites per layer (g2 - g1)",
             "fused_kernels": "per layer and graph, kernels of npu.* / qwen_npu.* ops",
         },
-        "models": {name: measure(name, config, tokens, modes=modes)},
+        "models": {name: measure(name, config, tokens, modes=modes, kinds=kinds)},
     }
 
 
@@ -508,16 +510,47 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="qwen_npu Qwen3.5 traffic per decoder layer kind (issue 25)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
     parser.add_argument("--quick", action="store_true", help="tiny Qwen3.5 at S=128, training only: a smoke test")
+    parser.add_argument("--kinds", default=",".join(LAYER_KINDS), help="comma-separated layer kinds (default: both)")
+    parser.add_argument("--modes", default=None, help="comma-separated modes: training,inference (default: both)")
+    parser.add_argument("--merge", nargs="+", type=Path, default=None,
+                        help="merge these partial results files (runs of --kinds/--modes subsets) into <out>")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[bench] %(message)s", stream=sys.stderr)
-    start = time.perf_counter()
-    payload = run(quick=args.quick)
-    elapsed = time.perf_counter() - start
     command = "python -m benchmarks.qwen3_5_traffic " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.merge:
+        path = write_json(args.out / "qwen3_5_traffic.json", merge([json.loads(p.read_text()) for p in args.merge]))
+        log.info("wrote %s (merged %d files)", path, len(args.merge))
+        return 0
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    modes = tuple(m for m in args.modes.split(",") if m) if args.modes else None
+    start = time.perf_counter()
+    payload = run(quick=args.quick, kinds=kinds, modes=modes)
+    elapsed = time.perf_counter() - start
     data = {"meta": {**run_metadata(command.strip()), "quick": args.quick, "part_seconds": round(elapsed, 1)}, **payload}
-    path = write_json(args.out / "qwen3_5_traffic.json", data)
+    partial = kinds != LAYER_KINDS or modes is not None
+    name = f"qwen3_5_traffic.{'+'.join(kinds)}.{'+'.join(modes or ('all',))}.json" if partial else "qwen3_5_traffic.json"
+    path = write_json(args.out / name, data)
     log.info("wrote %s (%.1fs)", path, elapsed)
     return 0
+
+
+def merge(parts: Sequence[dict]) -> dict:
+    """One results payload from runs of subsets of the layer kinds and modes (same model): the first file's fields,
+    every file's rows; ``meta.part_seconds`` is the sum and ``meta.merged_from`` lists the files' commands (the
+    subsets can run in parallel processes)."""
+    out = json.loads(json.dumps(parts[0]))
+    (name, model), = out["models"].items()
+    for part in parts[1:]:
+        other = part["models"][name]
+        for kind, entry in other["layer_kinds"].items():
+            model["layer_kinds"].setdefault(kind, {"modes": {}})["modes"].update(entry["modes"])
+    order = {k: i for i, k in enumerate(LAYER_KINDS)}
+    model["layer_kinds"] = {k: {"modes": {m: v["modes"][m] for m in ("training", "inference") if m in v["modes"]}}
+                            for k, v in sorted(model["layer_kinds"].items(), key=lambda kv: order.get(kv[0], 9))}
+    out["meta"]["part_seconds"] = round(sum(p["meta"]["part_seconds"] for p in parts), 1)
+    out["meta"]["wall_seconds_max"] = max(p["meta"]["part_seconds"] for p in parts)
+    out["meta"]["merged_from"] = [p["meta"]["command"] for p in parts]
+    return out
 
 
 if __name__ == "__main__":

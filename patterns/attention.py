@@ -764,6 +764,12 @@ class AttentionFamily(FusionFamily):
     backward_op_name = "npu_fusion_attention_grad"
     per_layer = 1
 
+    @classmethod
+    def expected_per_layer(cls, model_config, layer_type: str | None = None) -> int:
+        """1 per decoder layer; 0 in a hybrid model's linear-attention (Gated DeltaNet) layers (Qwen3.5,
+        Qwen3.5-MoE, Qwen3-Next ``layer_types``): their chunked delta rule is no softmax attention."""
+        return 0 if layer_type == "linear_attention" else cls.per_layer
+
     def iter_variants(self):
         from . import attention_varlen  # imports this module
 

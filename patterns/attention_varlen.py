@@ -26,7 +26,9 @@ then builds a block-diagonal causal mask inside the graph (``masking_utils.py``,
 The proof (:func:`packed_mask_reason`) is structural and exact: it interprets the mask's producing
 subgraph node by node with a small abstract domain (the graph's integer ``[1, T]`` input *P*, its
 segment ids, index grids of ``arange``, gathers of P or the segments at the query or key index,
-comparisons, ANDs, ``where`` to an additive mask, views and copies that keep the values) and accepts
+comparisons, ANDs, ``where`` to an additive mask, views and copies that keep the values, and
+``P[None].expand(k, B, -1)[i]``: the Qwen3.5 / Qwen3.5-MoE text model's mrope stack of one row, whose
+``text_position_ids = position_ids[0]`` build the mask) and accepts
 only ``(kv <= q) & (seg[q] == seg[kv])`` over the full ``[1, 1, T, T]`` grid, with the causal term
 over indices or over P's values. Within one segment P rises by exactly 1 per token (that is what the
 segment ids count), so both causal terms agree there and the mask is exactly the block-diagonal causal
@@ -140,6 +142,16 @@ class _Grid:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Stacked:
+    """Copies of the position ids along a new leading dim: ``position_ids[None, ...].expand(k, B, -1)``
+    (transformers 5.x ``Qwen3_5TextModel`` / ``Qwen3_5MoeTextModel.forward``: text, temporal, height and
+    width ids from one ``[B, T]`` row, k = 4). Every index of the leading dim holds the row itself, so a
+    ``select`` on it (the model's ``text_position_ids = position_ids[0]``) gives the row back."""
+
+    row: _Row
+
+
+@dataclasses.dataclass(frozen=True)
 class _At:
     """``row[0, i]`` where i is the index along dim ``end`` (from the last): -2 the query, -1 the key."""
 
@@ -231,6 +243,8 @@ class _Interpreter:
             return self._reshape(node)
         if target is aten.index.Tensor:
             return self._gather(node)
+        if target is aten.select.int:
+            return self._select(node)
         if target in (aten.le.Tensor, aten.ge.Tensor, aten.eq.Tensor):
             return self._compare(node)
         if target in _ONES or target in _FULL_FACTORIES:
@@ -315,6 +329,8 @@ class _Interpreter:
 
     def _unsqueeze(self, node: torch.fx.Node):
         source = self(node.args[0])
+        if isinstance(source, _Row) and source.kind == "positions" and node.args[1] % meta_val(node).dim() == 0:
+            return _Stacked(source)  # position_ids[None, ...]: one copy along a new leading dim
         if isinstance(source, (_Grid, _At)):
             return self._moved(node, source)
         if isinstance(source, _Mask):
@@ -323,6 +339,13 @@ class _Interpreter:
                 return source
             return self._refuse(node, "an unsqueeze between or after the query and key dims of a mask")
         return self._refuse(node, "an unsqueeze of something other than an index grid")
+
+    def _select(self, node: torch.fx.Node):
+        """``stacked[i]`` on the leading dim of :class:`_Stacked` copies of the position ids: the row itself."""
+        source = self(node.args[0])
+        if isinstance(source, _Stacked) and node.args[1] % meta_val(node.args[0]).dim() == 0:
+            return source.row
+        return self._refuse(node, "a select that is not one copy of position_ids[None].expand(k, B, -1)")
 
     def _reshape(self, node: torch.fx.Node):
         """A grid placed on another dim by a view that only adds or removes size-1 dims."""
@@ -420,6 +443,11 @@ class _Interpreter:
             if value.dim() == before.dim() and not value.is_floating_point() and value.dtype != torch.bool:
                 return source  # an index grid copied, cast between integer types or broadcast
             return self._refuse(node, "a copy of an index grid that changes it")
+        if isinstance(source, _Stacked):  # the copies broadcast along the leading dim only
+            same = node.target in (aten.expand.default, aten.alias.default, aten.clone.default, aten.contiguous.default)
+            if same and value.dim() == before.dim() and all(_equal(a, b) for a, b in zip(value.shape[1:], before.shape[1:])):
+                return source
+            return self._refuse(node, "a copy of the stacked position ids that changes them")
         if not isinstance(source, (_Mask, _Row)):
             return self._refuse(node, "a copy or view of something other than a mask or the position ids")
         if node.target is aten.slice.Tensor:

@@ -43,6 +43,39 @@ FX after (variant ``rotary_bsnd``)::
     npu_rotary_mul = npu.npu_rotary_mul.default(view, unsqueeze_2, unsqueeze_3, 'half')
     add = aten.transpose.int(npu_rotary_mul, 1, 2)                  # BNSD view again, same strides as before
 
+**Partial rotary** (variant ``rotary_partial_bsnd``): transformers 5.x ``models/qwen3_5``, ``qwen3_5_moe``,
+``qwen3_next`` (and 4.57's ``qwen3_next``), ``partial_rotary_factor`` 0.25 (rotated width ``head_dim / 4``:
+64 of 256 in Qwen3.5 / Qwen3-Next; ``cos.shape[-1]`` in the graph)::
+
+    rotary_dim = cos.shape[-1]
+    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
+    q_embed = torch.cat([(q_rot * cos) + (rotate_half(q_rot) * sin), q_pass], dim=-1)
+
+FX before (q = ``q_norm(...).transpose(1, 2)``, D = 64, rotated width 16)::
+
+    transpose = aten.transpose.int(q_bsnd, 1, 2)                    # BNSD view of BSND memory
+    slice_1 = aten.slice.Tensor(transpose, 3, 0, 16)                # q_rot
+    slice_2 = aten.slice.Tensor(transpose, 3, 16, 9223372036854775807)   # q_pass
+    mul = aten.mul.Tensor(slice_1, unsqueeze)                       # ... rotate_half(q_rot) ... add
+    cat = aten.cat.default([add, slice_2], -1)                      # contiguous BNSD
+
+FX after (verl npu_patch's form: slice to ``cos.shape[-1]``, ``npu_rotary_mul``, cat with the rest; the
+rotated slice is strided, so it is made dense first: a copy of a quarter of q, the kernel reads dense inputs)::
+
+    slice_3 = aten.slice.Tensor(q_bsnd, 3, 0, 16)
+    contiguous = aten.contiguous.default(slice_3)                   # [B, S, N, 16]
+    npu_rotary_mul = npu.npu_rotary_mul.default(contiguous, unsqueeze_2, unsqueeze_3, 'half')   # BS1D cos/sin
+    slice_4 = aten.slice.Tensor(q_bsnd, 3, 16, 9223372036854775807)    # the pass-through part, untouched
+    cat = aten.cat.default([npu_rotary_mul, slice_4], -1)           # [B, S, N, 64], BSND
+    transpose = aten.transpose.int(cat, 1, 2)                       # BNSD view of BSND, as the full variant gives
+
+The cat in BSND (HF's is a contiguous BNSD tensor) lets the attention rewrite take BSH views of q and k
+with no copy (V is a BSND view already). Every limit below applies to the rotated part ``[B, S, N,
+rotary_dim]`` (its D is the rotated width): the kernel's D < 896 and even, and for torchair training the
+backward converter's D % 64 == 0 (met by Qwen3.5's 64; a 16-wide tiny model takes the orthogonal or ATen
+backward form, or is refused when cos/sin need grad). ``torch_npu.npu_rotary_mul``'s ``rotate`` matrix could
+rotate a part of the head in one call, but has no backward (torch_npu 2.13.0 docs), so it is not used.
+
 Constraints (torch_npu 2.13.0 ``npu_rotary_mul`` docs, ``shared/reference/npu-op-contracts.md``,
 :mod:`qwen_npu_compile.npu_ops.rotary_mul`): mode ``'half'`` computes exactly HF's
 ``x*cos + rotate_half(x)*sin``; x 4-D, fp16/bf16/fp32, r1/r2 in x's dtype (the stand-in and the Meta
@@ -152,6 +185,26 @@ def _promoted(*tensors):
 def _replace_bsnd(x_bsnd, cos, sin):
     x_bsnd, cos, sin = _promoted(x_bsnd, cos, sin)
     return _rotary(x_bsnd, _bsnd_r(cos), _bsnd_r(sin)).transpose(1, 2)
+
+
+def _search_partial(x_bsnd, cos, sin):
+    # transformers 5.x qwen3_5 / qwen3_5_moe / qwen3_next (and 4.57 qwen3_next) apply_rotary_pos_emb:
+    # rotary on the first cos.shape[-1] dims, the rest passed through and concatenated back.
+    x = x_bsnd.transpose(1, 2)
+    rotary_dim = cos.shape[-1]
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat([x_rot * cos + _rotate_half(x_rot) * sin, x_pass], dim=-1)
+
+
+def _replace_partial(x_bsnd, cos, sin):
+    # verl's npu_patch: slice to cos.shape[-1], npu_rotary_mul on it, cat with the rest. The rotated
+    # slice is strided (every D-th row of rotary_dim): made dense first (the kernel reads dense inputs),
+    # a copy of rotary_dim/D of x. The cat is done in BSND, so the result is again the BNSD view of BSND
+    # memory that HF's full rotary gives (the attention rewrite then takes BSH views of it, no copy).
+    rotary_dim = cos.shape[-1]
+    x_bsnd, cos, sin = _promoted(x_bsnd, cos, sin)
+    rotated = _rotary(x_bsnd[..., :rotary_dim].contiguous(), _bsnd_r(cos), _bsnd_r(sin))
+    return torch.cat([rotated, x_bsnd[..., rotary_dim:]], dim=-1).transpose(1, 2)
 
 
 def check_rotary(x, r1, r2, layout: str, r_requires_grad: bool | None = None) -> str | None:
@@ -314,8 +367,33 @@ def _check_bsnd(match) -> str | None:
                         match.kwargs["sin"])
 
 
+def _check_partial(match) -> str | None:
+    """The partial variant's check: the rotated part ``x[..., :rotary_dim]`` made dense, as the kernel
+    receives it, must pass every limit the full variant enforces (:func:`_check_fused`: the kernel's
+    layout/D/B/N limits, and for torchair training the backward converter's D % 64, or the orthogonal /
+    ATen-backward forms); ``rotary_dim`` (cos's last dim) must be at most x's head dim."""
+    x = meta_val(match.kwargs["x_bsnd"])
+    cos, sin = meta_val(match.kwargs["cos"]), meta_val(match.kwargs["sin"])
+    if not all(isinstance(t, torch.Tensor) for t in (x, cos, sin)):
+        return "x, cos or sin is not a tensor"
+    x, cos, sin = _promote_mixed(x, cos, sin)
+    if x.dim() != 4 or not all(r.dim() == 4 and guard_or_false(r.shape[1] == 1) for r in (cos, sin)):
+        return f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)} is not unsqueezed at dim 1 ([B|1, 1, S, D])"
+    rotary_dim, head_dim = cos.shape[-1], x.shape[-1]
+    if not guard_or_false(rotary_dim <= head_dim):
+        return f"rotated width {rotary_dim} (cos's last dim) > head dim {head_dim}"
+    rotated = x.new_empty((*x.shape[:-1], rotary_dim))  # dense, what the replacement passes the kernel
+    reason = _check_fused(rotated, _bsnd_r(cos), _bsnd_r(sin), "BSND", match.kwargs["x_bsnd"], match.kwargs["cos"],
+                          match.kwargs["sin"])
+    return None if reason is None else f"rotated part [..., :{rotary_dim}] of head dim {head_dim}: {reason}"
+
+
 def _examples_bsnd():
     return [torch.empty(2, 4, 3, 16), torch.empty(1, 1, 4, 16), torch.empty(1, 1, 4, 16)]
+
+
+def _examples_partial():
+    return [torch.empty(2, 4, 3, 32), torch.empty(1, 1, 4, 16), torch.empty(1, 1, 4, 16)]
 
 
 class RotaryFamily(FusionFamily):
@@ -327,6 +405,12 @@ class RotaryFamily(FusionFamily):
     backward_op_name = "npu_rotary_mul_backward"
     per_layer = 2  # q and k
 
+    @classmethod
+    def expected_per_layer(cls, model_config, layer_type: str | None = None) -> int:
+        """2 (q and k) per decoder layer; 0 in a hybrid model's linear-attention (Gated DeltaNet) layers
+        (Qwen3.5, Qwen3.5-MoE, Qwen3-Next ``layer_types``), which have no rotary."""
+        return 0 if layer_type == "linear_attention" else cls.per_layer
+
     def iter_variants(self):
         # No casts in the subgraph, so one trace covers every dtype (mixed dtypes: the check picks the
         # promoted one, the replacement casts to it).
@@ -336,4 +420,9 @@ class RotaryFamily(FusionFamily):
             "rotary_bsnd", _search_bsnd, _replace_bsnd, _examples_bsnd, _check_bsnd,
             why="HF's q/k = view(B,S,N,D).transpose(1,2): run on the contiguous BSND tensor, where HF's "
                 "BNSD fails at decode (B*N > 8*S, error 561002)",
+        )
+        yield PatternVariant(
+            "rotary_partial_bsnd", _search_partial, _replace_partial, _examples_partial, _check_partial,
+            why="Qwen3.5 / Qwen3.5-MoE / Qwen3-Next (partial_rotary_factor 0.25): rotary on q/k[..., :cos.shape[-1]] "
+                "of HF's BNSD view of BSND memory, the rest passed through (slice, rotate, cat); verl npu_patch's form",
         )

@@ -142,6 +142,13 @@ CASES: dict[str, tuple[Case, dict[str, int]]] = {
         Case(QWEN3_5, "sdpa", FP32, False, model="qwen3_5"),
         {"rms_norm_one_plus_weight_fp32": 3, "rms_norm_gated_fp32": 1, "swiglu_linear_silu_left": 1},
     ),
+    # Qwen3.5's full-attention layer: partial rotary (rotated width head_dim / 4) after the q/k (1 + w) norms,
+    # gated attention (q_proj -> query and gate)
+    "qwen3_5_full_attention_fp32": (
+        Case(dict(QWEN3_5, layer_types=["full_attention"]), "sdpa", FP32, False, model="qwen3_5"),
+        {"rms_norm_one_plus_weight_fp32": 5, "swiglu_linear_silu_left": 1, "rotary_partial_bsnd": 2,
+         "sdpa_mask_repeat_kv": 1},
+    ),
     # eager_attention_forward (repeat_kv, additive mask) in training
     "eager_bf16_train": (
         Case(TINY, "eager", BF16, True),

@@ -63,10 +63,12 @@ anchor is ``aten.silu`` (the ``rsqrt`` is also the rms_norm family's, which refu
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from qwen_npu_compile.fusion import FamilyPass, FusionFamily, PatternVariant, meta_val
+from qwen_npu_compile.fusion import EMITTED_BY, FamilyPass, FusionFamily, PatternVariant, meta_val
 from qwen_npu_compile.npu_ops.rms_norm import rms_norm_violation
 from qwen_npu_compile.npu_ops.scalars import scalar_argument
 from qwen_npu_compile.npu_ops.swiglu import swiglu_violation
@@ -156,6 +158,22 @@ class RmsNormGatedPass(FamilyPass):
 
     def anchor_nodes(self, graph: torch.fx.Graph) -> list[torch.fx.Node]:
         return [node for node in super().anchor_nodes(graph) if _gates_a_product(node)]
+
+    def apply(self, gm: torch.fx.GraphModule, recorder) -> int:
+        """The pattern pass, then its emitted ``npu_rms_norm`` / ``npu_swiglu`` tagged as this family's
+        (``EMITTED_BY``), so that rms_norm and swiglu do not count them as already fused."""
+        count = super().apply(gm, recorder)
+        if count:
+            for swiglu in gm.graph.find_nodes(op="call_function", target=torch.ops.npu.npu_swiglu.default):
+                stack = swiglu.args[0]
+                if not (isinstance(stack, torch.fx.Node) and stack.target is aten.stack.default
+                        and len(stack.args[0]) == 2 and isinstance(stack.args[0][1], torch.fx.Node)):
+                    continue
+                getitem = stack.args[0][1]
+                norm = getitem.args[0] if getitem.target is operator.getitem else None
+                if isinstance(norm, torch.fx.Node) and norm.target is torch.ops.npu.npu_rms_norm.default:
+                    swiglu.meta[EMITTED_BY] = norm.meta[EMITTED_BY] = self.family.name
+        return count
 
 
 class RmsNormGatedFamily(FusionFamily):

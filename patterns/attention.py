@@ -117,6 +117,12 @@ in :mod:`.attention_mask`. This module adds what the *rewrite* needs:
 
 The anchors are ``aten.scaled_dot_product_attention`` (SDPA rows) and the eager chain's
 ``aten.softmax.int`` (eager rows).
+
+Hybrid models (transformers 5.24 ``Qwen3_5Attention``, ``Qwen3_5MoeAttention``, ``Qwen3NextAttention``): the
+full-attention layers' gated attention (``q_proj`` -> query and gate, (1 + w) q/k norms, partial rotary,
+then ``attn_output * sigmoid(gate)``) reaches this family as the same rows (q/k are BNSD views of the
+partial rotary's BSND output, v of its linear: BSH, no copy); the output gate stays ATen (torch_npu 2.13.0
+has no op for it). The linear-attention (Gated DeltaNet) layers hold no softmax attention: 0 expected there.
 """
 
 from __future__ import annotations

@@ -56,8 +56,11 @@ STAND_IN = {
                 if self.orig_module is None:
                     self.orig_module, self.orig_func = module, current
                 setattr(self.orig_module, self.orig_func_name, self.patch_func)
-                for value in list(sys.modules.values()):  # every module attribute of that name that held it
-                    if hasattr(value, self.orig_func_name) and getattr(value, self.orig_func_name) is current:
+                # every module attribute of that name that held it; MindSpeed's hasattr() on each module would
+                # import transformers' lazy submodules (aria needs torchvision, absent in verl's CPU venv): the
+                # module __dict__ holds the same bindings without triggering a module __getattr__
+                for value in list(sys.modules.values()):
+                    if getattr(value, "__dict__", {}).get(self.orig_func_name) is current:
                         setattr(value, self.orig_func_name, self.patch_func)
                 self.final_patch_func = self.patch_func
                 self.is_applied = True

@@ -44,7 +44,6 @@ import json
 import os
 import platform
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -113,6 +112,24 @@ def log(text: str) -> None:
 
 
 DEFAULT_WHEELHOUSE = Path(os.environ.get("QWEN_NPU_WHEELHOUSE", Path.home() / ".cache" / "qwen_npu_compile" / "wheelhouse"))
+
+
+#: ``rm -rf`` of finished stacks' environments, running while the next stack runs (a CUDA torch venv is ~5 GB:
+#: deleting it took 90 s on CI's host); :func:`run` waits for them at the end.
+_REMOVALS: list[subprocess.Popen] = []
+
+
+def _remove_in_background(folder: Path) -> None:
+    """Delete ``folder`` in a separate ``rm -rf`` process (waited for by :func:`wait_for_removals`)."""
+    _REMOVALS.append(subprocess.Popen(["rm", "-rf", "--", str(folder)]))
+
+
+def wait_for_removals() -> float:
+    """Wait for the background deletions; returns the seconds waited."""
+    start = time.perf_counter()
+    while _REMOVALS:
+        _REMOVALS.pop().wait()
+    return time.perf_counter() - start
 
 
 def _pip(python: Path, *args: str) -> None:
@@ -238,7 +255,7 @@ def run_stack(stack: Stack, python: Path | None, keep: bool, wheelhouse: Path = 
         record.setdefault("cases", [])
     finally:
         if not keep:
-            shutil.rmtree(workdir, ignore_errors=True)
+            _remove_in_background(workdir)
     passed = sum(case["outcome"] == "passed" for case in record["cases"])
     ge_ok = record.get("ge", {}).get("exit") == 0
     record["ok"] = "error" not in record and record.get("pytest_exit") == 0 and passed > 0 and ge_ok
@@ -378,6 +395,9 @@ def run(args: argparse.Namespace) -> int:
         ordered = [previous[s.name] for s in STACKS if s.name in previous]
         results.parent.mkdir(parents=True, exist_ok=True)
         results.write_text(json.dumps({"stacks": ordered}, indent=2) + "\n")
+    waited = wait_for_removals()
+    if waited >= 1:
+        log(f"waited {waited:.0f}s for the environments' deletion")
     for name in names:
         record = previous[name]
         log(f"time {name}: {record.get('seconds_total', 0):.0f}s (setup {record.get('seconds_setup', 0):.0f}s, tests "

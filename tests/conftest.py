@@ -164,7 +164,11 @@ _TINY_HYBRID_MOE = dict(moe_intermediate_size=64, shared_expert_intermediate_siz
 HYBRID_FAMILIES = {
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(intermediate_size=256)),
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", _TINY_HYBRID_MOE),
-    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(intermediate_size=256, **_TINY_HYBRID_MOE)),
+    # dense MLPs (mlp_only_layers): transformers 4.57.6 runs Qwen3-Next's experts as a per-expert loop (a graph
+    # break per expert, as Qwen3-MoE there); the MoE block of the hybrid models is qwen3_5_moe's
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(intermediate_size=256, mlp_only_layers=[0, 1, 2, 3], **_TINY_HYBRID_MOE)),
+    "qwen3_next_moe": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(intermediate_size=256, **_TINY_HYBRID_MOE)),
 }
 
 

@@ -197,6 +197,22 @@ def _npu_op_counts(graph: torch.fx.Graph) -> dict[str, int]:
     return npu_op_counts(graph)
 
 
+def _warn_failures(graph: GeGraph, failures: list[GeFailure]) -> None:
+    """One warning per GE graph with conversion failures: each failing op with its count and source lines
+    (a Gated DeltaNet layer has a dozen such nodes of 2-3 ops; one line per node said the same thing
+    a dozen times). Each node is at DEBUG when it fails."""
+    converter = [f for f in failures if f.kind == "converter"]
+    if not converter:
+        return
+    by_op: dict[str, list[str]] = {}
+    for failure in converter:
+        by_op.setdefault(failure.op, []).append(failure.source)
+    ops = "; ".join(f"{op} x{len(sources)} ({', '.join(sorted(set(sources)))})" for op, sources in by_op.items())
+    log.warning("qwen_npu: torchair could not convert %d node(s) of GE graph %s (%s): %s; on an NPU this AOT graph "
+                "runs eagerly through AOTAutograd instead (first error: %s)", len(converter), graph.name, graph.kind,
+                ops, converter[0].error)
+
+
 def install_recording(fx2ge_converter) -> None:
     """Replace ``fx2ge_converter.GeConcreteGraph`` with the recording subclass (idempotent)."""
     base = fx2ge_converter.GeConcreteGraph
@@ -227,8 +243,8 @@ def install_recording(fx2ge_converter) -> None:
                     graph=self.graph.name, node=node.name if node is not None else "?",
                 )
                 recorder.results.failures.append(failure)
-                log.warning("qwen_npu: torchair could not convert %s (%s) at %s: %s",
-                            failure.node, failure.op, failure.source, failure.error)
+                log.debug("qwen_npu: torchair could not convert %s (%s) at %s: %s",
+                          failure.node, failure.op, failure.source, failure.error)
                 mock = self._create_mock_node_for_op(target, args, kwargs)
                 if meta_outputs is not None:
                     fx2ge_converter.set_ge_outputs(mock, meta_outputs)
@@ -261,6 +277,7 @@ def install_recording(fx2ge_converter) -> None:
                                 graph=self.graph.name, node=node.name, kind="limit"))
                             log.warning("qwen_npu: %s (%s) at %s converted to GE but cannot run: %s", node.name,
                                         node.target, recorder.source(node), reason)
+                _warn_failures(graph, [f for f in recorder.results.failures if f.graph == self.graph.name])
                 recorder.results.graphs.append(graph)
                 if recorder.on_graph is not None:
                     recorder.on_graph(graph)

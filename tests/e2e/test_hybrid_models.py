@@ -14,6 +14,7 @@ from collections import Counter
 
 import pytest
 import torch
+import transformers
 
 from conftest import assert_runs_match, tiny_hybrid
 from qwen_npu_compile import maybe_compile
@@ -33,6 +34,7 @@ def _softplus_backward_differs() -> bool:
 
 BUG = _softplus_backward_differs()
 LINEAR_LAYERS = 3
+TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
 def _ids(seed: int = 1, batch: int = 2, seq: int = 24):
@@ -61,9 +63,13 @@ def test_whole_model_bf16_training_step_fused_with_parity(npu_ops, family):
     reference = fp32_reference(model, ids, True)
     compiled = torch.compile(model, backend="qwen_npu", options={"strict": True})
     assert_runs_match(run_model(model, compiled, ids, True), eager, reference)
-    (report,) = SUMMARY.graphs
+    # transformers 4.57.6's Qwen3-Next breaks the graph at _update_linear_attn_mask's data-dependent branch
+    # (`if cache_position[0] > 0 ...`): 3 small graphs around the one holding every decoder layer
+    graphs = list(SUMMARY.graphs)
+    assert len(graphs) == (1 if TRANSFORMERS_5 else 4), [r.name for r in graphs]
+    (report,) = [r for r in graphs if any(r.fusions.values())]
+    assert all(r.refused == [] and r.fallback is None for r in graphs)
     assert report.fusions == expected_fusions(model.config), report.fusions
-    assert report.refused == [] and report.fallback is None
     assert not any(report.already_fused.values()), report.already_fused  # the gated norm's ops are its own
     _assert_backward_ops(report)
     assert len(report.layout_pins) == (LINEAR_LAYERS if BUG else 0)
@@ -99,3 +105,46 @@ def test_per_layer_with_gradient_checkpointing(monkeypatch, npu_ops, family):
         assert len(record.reports) == 1, (name, [r.name for r in record.reports])
         want = expected_fusions(model.config, per_layer=True, layer_type=kinds[index])
         assert record.reports[0].fusions == want, (name, kinds[index], record.reports[0].fusions)
+
+
+GE_SCRIPT = """
+import json, os, sys
+import torch
+sys.path[:0] = sys.argv[2:]
+from qwen_npu_compile import ensure_npu_ops, get_reports, maybe_compile
+from qwen_npu_compile.check.harness import run_model
+ensure_npu_ops()
+from conftest import tiny_hybrid
+os.environ["QWEN_NPU_COMPILE"] = "1"
+model = tiny_hybrid("qwen3_5", torch.bfloat16).train()
+maybe_compile(model, {"downstream": "torchair"})
+ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+run_model(model, model, ids, True)
+print(json.dumps([[dict(report.as_dict()["ge"], fusions=report.fusions, downstream=report.downstream)
+                   for report in get_reports()]]))
+"""
+
+
+def test_torchair_converts_the_full_attention_layer_and_names_the_deltanet_ops(simulated_npu_ops, tmp_path):
+    """Per decoder layer (verl's way), bf16 training, torchair's FX->GE conversion off-NPU: the full-attention
+    layer's forward and backward convert with 0 failures (RmsNorm 4 with q/k norms, RotaryMul 2,
+    FlashAttentionScore 1); the Gated DeltaNet layer's fused ops convert (RmsNorm 3 = 2 + the gated norm's,
+    SwiGlu 2 = MLP + gated norm) and exactly its softplus (fw/bw) and 2 triangular solves per graph have no
+    converter in torchair (on an NPU that AOT graph runs through AOTAutograd, one warning per graph)."""
+    from conftest import run_ge_script
+
+    (reports,) = run_ge_script(GE_SCRIPT, tmp_path, "e2e")
+    assert len(reports) == 2, [r["fusions"] for r in reports]  # one graph per layer kind, shared by its layers
+    by_kind = {("full" if r["fusions"]["attention"] else "linear"): r for r in reports}
+    full, linear = by_kind["full"], by_kind["linear"]
+    assert full["failures"] == []
+    fw, bw = (next(g["ops"] for g in full["graphs"] if g["kind"] == kind) for kind in ("forward", "backward"))
+    assert (fw["RmsNorm"], fw["RotaryMul"], fw["FlashAttentionScore"], fw["SwiGlu"]) == (4, 2, 1, 1)
+    assert (bw["RmsNormGrad"], bw["FlashAttentionScoreGrad"], bw["SwiGluGrad"]) == (4, 1, 1)
+    failed = Counter((f["graph"], f["op"]) for f in linear["failures"])
+    graphs = {g["name"]: g["kind"] for g in linear["graphs"]}
+    assert {(graphs[g], op): n for (g, op), n in failed.items()} == {
+        ("forward", "aten.softplus.default"): 1, ("forward", "aten.linalg_solve_triangular.default"): 2,
+        ("backward", "aten.softplus_backward.default"): 1, ("backward", "aten.linalg_solve_triangular.default"): 2}
+    fw, bw = (next(g["ops"] for g in linear["graphs"] if g["kind"] == kind) for kind in ("forward", "backward"))
+    assert (fw["RmsNorm"], fw["SwiGlu"], bw["RmsNormGrad"], bw["SwiGluGrad"]) == (3, 2, 3, 2)

@@ -66,8 +66,10 @@ def _producer(node: torch.fx.Node, depth: int = 4) -> torch.fx.Node | None:
 
 
 def silu_without_gate(anchor: torch.fx.Node) -> str | None:
-    """A SiLU whose result no ``mul`` consumes: an activation (the DeltaNet conv's), not a gate."""
-    if any(user.op == "call_function" and user.target == aten.mul.Tensor for user in consumers(anchor)):
+    """A SiLU whose result no ``mul`` consumes and that does not leave the graph: an activation (the DeltaNet
+    conv's), not a gate. (A result that leaves the graph may be multiplied after a graph break: a near miss.)"""
+    if any(user.op == "output" or (user.op == "call_function" and user.target == aten.mul.Tensor)
+           for user in consumers(anchor)):
         return None
     return "a SiLU activation whose result nothing multiplies (no gate): not SwiGLU or a gated norm"
 
@@ -90,7 +92,8 @@ def rsqrt_of_sum_of_squares(anchor: torch.fx.Node) -> str | None:
 
 def neg_outside_rotate_half(anchor: torch.fx.Node) -> str | None:
     """A negation that reaches no ``cat``: not ``rotate_half``."""
-    if any(user.op == "call_function" and user.target == aten.cat.default for user in consumers(anchor)):
+    if any(user.op == "output" or (user.op == "call_function" and user.target == aten.cat.default)
+           for user in consumers(anchor)):
         return None
     return "a negation that reaches no cat: not rotate_half"
 

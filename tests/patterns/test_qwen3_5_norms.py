@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+pytest.importorskip("transformers.models.qwen3_5", reason="Qwen3.5 needs transformers >= 5")
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated
 
 from conftest import assert_parity

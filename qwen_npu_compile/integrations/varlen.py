@@ -114,6 +114,11 @@ def _attn_implementation(config) -> str | None:
     return getattr(config, "_attn_implementation", None)
 
 
+def _linear_attention_layers(config) -> bool:
+    """Whether ``config``'s ``layer_types`` hold Gated DeltaNet layers (Qwen3.5 / Qwen3-Next)."""
+    return "linear_attention" in (getattr(config, "layer_types", None) or ())
+
+
 def _full_attention_only(config) -> bool:
     """Every layer is full (causal) attention: no sliding window in use (Qwen2 ``use_sliding_window``,
     Mistral ``sliding_window``, ``layer_types`` with ``sliding_attention``)."""
@@ -168,6 +173,8 @@ def packing_refusal(module: nn.Module, kwargs: dict) -> str | None:
         return f"position_ids {shape} is not one packed row (1, T)"
     if position_ids.dtype.is_floating_point:
         return f"position_ids dtype {position_ids.dtype}"
+    if _linear_attention_layers(config):
+        return "the model has Gated DeltaNet (linear_attention) layers (Qwen3.5 / Qwen3-Next)"
     if not _full_attention_only(config):
         return "the model uses sliding-window attention"
     if getattr(config, "attention_dropout", 0.0) and module.training:
@@ -558,6 +565,11 @@ def install(model: nn.Module) -> list[str]:
     if base is None:
         return []
     implementation = _attn_implementation(getattr(base, "config", None))
+    if _linear_attention_layers(getattr(base, "config", None)):
+        log.info("qwen_npu: %s has Gated DeltaNet (linear_attention) layers: packed micro-batches keep "
+                 "transformers' path per layer (the full-attention layers fuse attention with the explicit mask; "
+                 "verl's packed DeltaNet forward is issue 26)", type(base).__name__)
+        return []
     if implementation not in RULES:
         log.info("qwen_npu: attn_implementation %r: packed micro-batches keep transformers' path", implementation)
         return []

@@ -160,3 +160,22 @@ def test_torchair_converts_the_full_attention_layer_and_names_the_deltanet_ops(s
         ("backward", "aten.softplus_backward.default"): 1, ("backward", "aten.linalg_solve_triangular.default"): 2}
     fw, bw = (next(g["ops"] for g in linear["graphs"] if g["kind"] == kind) for kind in ("forward", "backward"))
     assert (fw["RmsNorm"], fw["SwiGlu"], bw["RmsNormGrad"], bw["SwiGluGrad"]) == (3, 2, 3, 2)
+
+
+def test_packed_rows_keep_transformers_path_per_layer_and_say_why(monkeypatch, npu_ops, caplog):
+    """Under maybe_compile a hybrid model's packed rows are not taken over (the DeltaNet layers need verl's
+    packed forward, issue 26): nothing is installed, one INFO line says why, and the refusal names the
+    DeltaNet layers (it said "sliding-window attention")."""
+    import logging
+
+    from qwen_npu_compile.integrations import varlen
+
+    monkeypatch.setenv(ENV_COMPILE, "1")
+    model = tiny_hybrid("qwen3_5", torch.float32).train()
+    with caplog.at_level(logging.INFO, logger="qwen_npu_compile"):
+        layers = maybe_compile(model)
+    assert layers.varlen == []
+    assert any("Gated DeltaNet (linear_attention) layers: packed micro-batches keep" in r.getMessage()
+               for r in caplog.records)
+    reason = varlen.packing_refusal(model.model, dict(position_ids=torch.tensor([[0, 1, 2, 0, 1]]), use_cache=False))
+    assert reason == "the model has Gated DeltaNet (linear_attention) layers (Qwen3.5 / Qwen3-Next)"

@@ -190,3 +190,35 @@ def tiny_hybrid(family: str, dtype=torch.float32, attn: str = "sdpa", seed: int 
             if "norm" in name and name.endswith("weight"):
                 param.normal_(0.0 if "linear_attn" not in name else 1.0, 0.5)
     return model.to(dtype)
+
+
+@pytest.fixture
+def torchair_target_on_aot_eager(monkeypatch):
+    """Fuse for torchair (``downstream="torchair"``: its rotary forms and limits) but run the AOT graphs on
+    aot_eager; returns ``{"forward": [gm...], "backward": [gm...]}``, the AOT graphs in compile order."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from qwen_npu_compile import backend
+    from qwen_npu_compile.handoff import hand_off as real_hand_off
+
+    graphs = {"forward": [], "backward": []}
+
+    def recorder(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind].append(gm)
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    def hand_off(downstream, gm, example_inputs, report, config):
+        if downstream != "torchair":
+            return real_hand_off(downstream, gm, example_inputs, report, config)
+        return aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))(gm, example_inputs)
+
+    monkeypatch.setattr(backend, "hand_off", hand_off)
+    return graphs
+
+
+def count_calls(graphs, op) -> int:
+    """Calls of ``op`` in the GraphModules ``graphs``."""
+    return sum(len(gm.graph.find_nodes(op="call_function", target=op)) for gm in graphs)

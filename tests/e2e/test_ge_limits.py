@@ -23,47 +23,17 @@ import pytest
 import torch
 from transformers.models.qwen2.modeling_qwen2 import rotate_half
 
-from conftest import assert_runs_match, eager_and_reference
+from conftest import assert_runs_match, count_calls, eager_and_reference
 from qwen_npu_compile.check.harness import run_model
 from qwen_npu_compile.check.models import tiny_qwen2
 from qwen_npu_compile import get_reports
-from qwen_npu_compile import backend as qwen_backend
 from qwen_npu_compile import ge_converters
-from qwen_npu_compile.handoff import hand_off as real_hand_off
 from qwen_npu_compile.npu_ops import rotary_mul_aten_backward, rotary_mul_orthogonal
 
 TORCHAIR = {"downstream": "torchair"}
 ORTHOGONAL = rotary_mul_orthogonal.OP
 ATEN_BACKWARD = rotary_mul_aten_backward.OP
 NPU = torch.ops.npu
-
-
-@pytest.fixture
-def torchair_target_on_aot_eager(monkeypatch):
-    """Fuse for torchair, run on aot_eager; returns ``{"forward": [gm...], "backward": [gm...]}``."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.aot_autograd import make_boxed_func
-
-    graphs = {"forward": [], "backward": []}
-
-    def recorder(kind):
-        def compiler(gm, example_inputs):
-            graphs[kind].append(gm)
-            return make_boxed_func(gm.forward)
-
-        return compiler
-
-    def hand_off(downstream, gm, example_inputs, report, config):
-        if downstream != "torchair":
-            return real_hand_off(downstream, gm, example_inputs, report, config)
-        return aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))(gm, example_inputs)
-
-    monkeypatch.setattr(qwen_backend, "hand_off", hand_off)
-    return graphs
-
-
-def _count(graphs, op) -> int:
-    return sum(len(gm.graph.find_nodes(op="call_function", target=op)) for gm in graphs)
 
 
 def _refusals(report, family):
@@ -88,10 +58,10 @@ def test_qwen2_training_for_torchair_uses_the_orthogonal_rotary(npu_ops, torchai
     assert report.downstream == "torchair" and report.fusions == {"rotary": 2 * layers}
     assert _refusals(report, "rotary") == []
     graphs = torchair_target_on_aot_eager
-    assert _count(graphs["forward"], ORTHOGONAL) == 2 * layers
-    assert _count(graphs["forward"], NPU.npu_rotary_mul.default) == 0
-    assert _count(graphs["backward"], ORTHOGONAL) == 2 * layers
-    assert _count(graphs["backward"], NPU.npu_rotary_mul_backward.default) == 0
+    assert count_calls(graphs["forward"], ORTHOGONAL) == 2 * layers
+    assert count_calls(graphs["forward"], NPU.npu_rotary_mul.default) == 0
+    assert count_calls(graphs["backward"], ORTHOGONAL) == 2 * layers
+    assert count_calls(graphs["backward"], NPU.npu_rotary_mul_backward.default) == 0
 
 
 @pytest.mark.skipif(tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 9),
@@ -110,8 +80,8 @@ def test_checkpointed_layers_for_torchair_use_the_orthogonal_rotary(npu_ops, tor
     [report] = get_reports()
     assert report.fusions == {"rotary": 2 * layers} and _refusals(report, "rotary") == []
     graphs = torchair_target_on_aot_eager
-    assert _count(graphs["backward"], ORTHOGONAL) == 2 * layers * 2  # recomputed forward + the backward itself
-    assert _count(graphs["backward"], NPU.npu_rotary_mul_backward.default) == 0
+    assert count_calls(graphs["backward"], ORTHOGONAL) == 2 * layers * 2  # recomputed forward + the backward itself
+    assert count_calls(graphs["backward"], NPU.npu_rotary_mul_backward.default) == 0
 
 
 def test_qwen3_training_for_torchair_uses_the_orthogonal_rotary(npu_ops, torchair_target_on_aot_eager):
@@ -130,8 +100,8 @@ def test_qwen3_training_for_torchair_uses_the_orthogonal_rotary(npu_ops, torchai
     [report] = get_reports()
     assert report.fusions["rotary"] == 2 and _refusals(report, "rotary") == []
     graphs = torchair_target_on_aot_eager
-    assert _count(graphs["forward"], ORTHOGONAL) == 2 and _count(graphs["forward"], NPU.npu_rotary_mul.default) == 0
-    assert _count(graphs["backward"], NPU.npu_rotary_mul_backward.default) == 0
+    assert count_calls(graphs["forward"], ORTHOGONAL) == 2 and count_calls(graphs["forward"], NPU.npu_rotary_mul.default) == 0
+    assert count_calls(graphs["backward"], NPU.npu_rotary_mul_backward.default) == 0
 
 
 def test_qwen2_training_for_torchair_dynamic_sequence_length(npu_ops, torchair_target_on_aot_eager):
@@ -146,8 +116,8 @@ def test_qwen2_training_for_torchair_dynamic_sequence_length(npu_ops, torchair_t
     [report] = get_reports()
     assert report.fusions == {"rotary": 2 * layers} and _refusals(report, "rotary") == []
     graphs = torchair_target_on_aot_eager
-    assert _count(graphs["backward"], ORTHOGONAL) == 2 * layers
-    assert _count(graphs["backward"], NPU.npu_rotary_mul_backward.default) == 0
+    assert count_calls(graphs["backward"], ORTHOGONAL) == 2 * layers
+    assert count_calls(graphs["backward"], NPU.npu_rotary_mul_backward.default) == 0
 
 
 def test_qwen2_inference_for_torchair_keeps_npu_rotary_mul(npu_ops, torchair_target_on_aot_eager):
@@ -157,8 +127,8 @@ def test_qwen2_inference_for_torchair_keeps_npu_rotary_mul(npu_ops, torchair_tar
         torch.compile(model, backend="qwen_npu", options={**TORCHAIR, "fusions": "rotary"})(torch.randint(0, 128, (2, 16)))
     [report] = get_reports()
     assert report.fusions == {"rotary": 4}
-    assert _count(torchair_target_on_aot_eager["forward"], NPU.npu_rotary_mul.default) == 4
-    assert _count(torchair_target_on_aot_eager["forward"], ORTHOGONAL) == 0
+    assert count_calls(torchair_target_on_aot_eager["forward"], NPU.npu_rotary_mul.default) == 4
+    assert count_calls(torchair_target_on_aot_eager["forward"], ORTHOGONAL) == 0
 
 
 def test_other_downstreams_keep_npu_rotary_mul_backward(npu_ops):
@@ -208,16 +178,16 @@ def test_unprovable_sin_with_head_dim_16_fuses_with_the_aten_backward(npu_ops, t
     assert report.fusions == {"rms_norm_gated": 0, "moe": 0, "rms_norm": 0, "swiglu": 0, "rotary": 1, "attention": 0}
     assert _refusals(report, "rotary") == []
     graphs = torchair_target_on_aot_eager
-    assert _count(graphs["forward"], ATEN_BACKWARD) == 1 and _count(graphs["forward"], ORTHOGONAL) == 0
-    assert _count(graphs["backward"], NPU.npu_rotary_mul_backward.default) == 0
-    assert _count(graphs["backward"], ATEN_BACKWARD) == 0 and _count(graphs["backward"], ORTHOGONAL) == 0
+    assert count_calls(graphs["forward"], ATEN_BACKWARD) == 1 and count_calls(graphs["forward"], ORTHOGONAL) == 0
+    assert count_calls(graphs["backward"], NPU.npu_rotary_mul_backward.default) == 0
+    assert count_calls(graphs["backward"], ATEN_BACKWARD) == 0 and count_calls(graphs["backward"], ORTHOGONAL) == 0
 
 
 def test_unprovable_sin_with_head_dim_64_fuses_with_the_backward_op(npu_ops, torchair_target_on_aot_eager):
     report = _compile_bsnd(64)
     assert report.fusions["rotary"] == 1 and _refusals(report, "rotary") == []
-    assert _count(torchair_target_on_aot_eager["backward"], NPU.npu_rotary_mul_backward.default) == 1
-    assert _count(torchair_target_on_aot_eager["forward"], ATEN_BACKWARD) == 0
+    assert count_calls(torchair_target_on_aot_eager["backward"], NPU.npu_rotary_mul_backward.default) == 1
+    assert count_calls(torchair_target_on_aot_eager["forward"], ATEN_BACKWARD) == 0
 
 
 def test_unprovable_sin_under_dynamic_shapes_fuses_with_the_aten_backward(npu_ops, torchair_target_on_aot_eager):
@@ -225,8 +195,8 @@ def test_unprovable_sin_under_dynamic_shapes_fuses_with_the_aten_backward(npu_op
     report = _compile_bsnd(64, dynamic_seq=True, equal_halves=False)
     assert report.fusions["rotary"] == 1 and _refusals(report, "rotary") == []
     graphs = torchair_target_on_aot_eager
-    assert _count(graphs["forward"], ATEN_BACKWARD) == 1
-    assert _count(graphs["backward"], NPU.npu_rotary_mul_backward.default) == 0
+    assert count_calls(graphs["forward"], ATEN_BACKWARD) == 1
+    assert count_calls(graphs["backward"], NPU.npu_rotary_mul_backward.default) == 0
 
 
 def test_cos_sin_needing_grad_never_take_the_orthogonal_form(npu_ops, torchair_target_on_aot_eager):
@@ -243,8 +213,8 @@ def test_cos_sin_needing_grad_never_take_the_orthogonal_form(npu_ops, torchair_t
     assert report.fusions["rotary"] == 0
     [refusal] = _refusals(report, "rotary")
     assert "cos/sin need grad" in refusal.reason and "npu_rotary_mul_backward" in refusal.reason
-    assert _count(torchair_target_on_aot_eager["forward"], ORTHOGONAL) == 0
-    assert _count(torchair_target_on_aot_eager["forward"], ATEN_BACKWARD) == 0
+    assert count_calls(torchair_target_on_aot_eager["forward"], ORTHOGONAL) == 0
+    assert count_calls(torchair_target_on_aot_eager["forward"], ATEN_BACKWARD) == 0
 
 
 def test_orthogonal_op_refuses_cos_sin_that_need_grad(npu_ops):

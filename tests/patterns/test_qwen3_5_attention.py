@@ -19,10 +19,8 @@ import transformers
 pytest.importorskip("transformers.models.qwen3_5", reason="Qwen3.5 needs transformers >= 5")
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from conftest import assert_parity
-from qwen_npu_compile import backend as qwen_backend
+from conftest import assert_parity, count_calls
 from qwen_npu_compile import get_reports
-from qwen_npu_compile.handoff import hand_off as real_hand_off
 from qwen_npu_compile.npu_ops import rotary_mul_aten_backward, rotary_mul_orthogonal
 from qwen_npu_compile.patterns import expected_fusions
 
@@ -160,34 +158,6 @@ def _run(fn, inputs, train: bool):
     return outs, [t.grad for t in inputs if t.requires_grad]
 
 
-@pytest.fixture
-def torchair_target_on_aot_eager(monkeypatch):
-    """Fuse for torchair (``downstream="torchair"``), run the AOT graphs on aot_eager; returns the graphs."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.aot_autograd import make_boxed_func
-
-    graphs = {"forward": [], "backward": []}
-
-    def recorder(kind):
-        def compiler(gm, example_inputs):
-            graphs[kind].append(gm)
-            return make_boxed_func(gm.forward)
-
-        return compiler
-
-    def hand_off(downstream, gm, example_inputs, report, config):
-        if downstream != "torchair":
-            return real_hand_off(downstream, gm, example_inputs, report, config)
-        return aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))(gm, example_inputs)
-
-    monkeypatch.setattr(qwen_backend, "hand_off", hand_off)
-    return graphs
-
-
-def _count(graphs, op) -> int:
-    return sum(len(gm.graph.find_nodes(op="call_function", target=op)) for gm in graphs)
-
-
 @pytest.mark.parametrize("head_dim,dtype,emitted", [
     (256, torch.bfloat16, "npu_rotary_mul"),  # Qwen3.5's real width 64: the converter takes D % 64 == 0
     (64, torch.float32, "aten_backward"),     # width 16: npu_rotary_mul_backward's converter refuses it
@@ -207,8 +177,8 @@ def test_torchair_training_form_follows_the_rotated_width(npu_ops, torchair_targ
     assert report.variants == {"rotary_partial_bsnd": 2}
     graphs = torchair_target_on_aot_eager
     op = NPU.npu_rotary_mul.default if emitted == "npu_rotary_mul" else rotary_mul_aten_backward.OP
-    assert _count(graphs["forward"], op) == 2
-    assert _count(graphs["backward"], NPU.npu_rotary_mul_backward.default) == (2 if emitted == "npu_rotary_mul" else 0)
+    assert count_calls(graphs["forward"], op) == 2
+    assert count_calls(graphs["backward"], NPU.npu_rotary_mul_backward.default) == (2 if emitted == "npu_rotary_mul" else 0)
 
 
 def test_torchair_training_with_sin_from_the_rotary_embedding_is_orthogonal(npu_ops, torchair_target_on_aot_eager):
@@ -230,9 +200,9 @@ def test_torchair_training_with_sin_from_the_rotary_embedding_is_orthogonal(npu_
     [report] = get_reports()
     assert report.variants == {"rotary_partial_bsnd": 2}
     graphs = torchair_target_on_aot_eager
-    assert _count(graphs["forward"], rotary_mul_orthogonal.OP) == 2
-    assert _count(graphs["backward"], rotary_mul_orthogonal.OP) == 2
-    assert _count(graphs["backward"], NPU.npu_rotary_mul_backward.default) == 0
+    assert count_calls(graphs["forward"], rotary_mul_orthogonal.OP) == 2
+    assert count_calls(graphs["backward"], rotary_mul_orthogonal.OP) == 2
+    assert count_calls(graphs["backward"], NPU.npu_rotary_mul_backward.default) == 0
 
 
 def _rotary_refusals(report) -> list[str]:

@@ -9,7 +9,7 @@ of :class:`PatternVariant` objects (one per dtype family / spelling), in the sty
 A :class:`FamilyPass` owns one Inductor ``PatternMatcherPass`` per family (never the global Inductor
 pattern tables) and registers a variant with ``register_replacement`` (through
 :func:`qwen_npu_compile.compat.register_replacement`: its keywords differ by torch version) and
-:func:`qwen_npu_compile.canonicalize.trace_pattern` (so patterns are traced exactly like the graphs)
+:func:`qwen_npu_compile.graphs.trace_pattern` (so patterns are traced exactly like the graphs)
 lazily: the first time one of its anchor ops occurs in a graph being fused. It wraps each variant's
 ``check`` so that every refusal is recorded with its reason and model source line, and every applied
 replacement is counted per variant. After matching, every anchor op left in the graph is a *near
@@ -23,8 +23,6 @@ import contextvars
 import dataclasses
 import inspect
 import logging
-import os
-import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -35,7 +33,7 @@ import torch.fx
 from torch._inductor import pattern_matcher as pm
 
 from . import compat, foreign_anchors
-from .canonicalize import trace_pattern
+from .graphs import node_source, trace_pattern  # noqa: F401 (node_source: public here too)
 
 log = logging.getLogger(__name__)
 
@@ -260,7 +258,7 @@ _REGION_OPERANDS: contextvars.ContextVar[dict[torch.fx.Node, list[object]] | Non
 
 def binding_region_operands(operands: dict[torch.fx.Node, list[object]]):
     """Let checks inside this block follow a checkpointed body's placeholder to what its callers pass
-    (:func:`qwen_npu_compile.canonicalize.checkpoint_operands`)."""
+    (:func:`qwen_npu_compile.graphs.checkpoint_operands`)."""
     return _set_within(_REGION_OPERANDS, operands)
 
 
@@ -311,26 +309,6 @@ def targeting(target: CompileTarget):
 def current_target() -> CompileTarget | None:
     """The target of the rewrite in progress; None outside ``backend.rewrite`` (checks must then be conservative)."""
     return _ACTIVE_TARGET.get()
-
-
-_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
-_TORCH_DIR = os.path.dirname(torch.__file__)
-
-
-def node_source(node: torch.fx.Node) -> str:
-    """``file:line`` of the model code that produced ``node``, or ``"<unknown>"``.
-
-    The innermost frame of a transformers ``modeling_*.py`` file wins (``modeling_qwen2.py:63`` is
-    more useful than the ``activations.py`` line of ``nn.SiLU``); otherwise the innermost frame
-    outside torch itself.
-    """
-    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
-    if not frames:
-        return "<unknown>"
-    modeling = [frame for frame in frames if frame[0].rsplit("/", 1)[-1].startswith("modeling_")]
-    outside_torch = [frame for frame in frames if not frame[0].startswith(_TORCH_DIR)]
-    path, line = (modeling or outside_torch or frames)[-1]
-    return f"{path.rsplit('/', 1)[-1]}:{line}"
 
 
 def find_reused_intermediate(anchor: torch.fx.Node, depth: int):

@@ -7,6 +7,10 @@ Semantics (torch_npu 2.13.0 ``_op_plugin_docs.py`` and Meta kernels; the op-plug
 
 computed here in fp32 and rounded once to q's dtype.
 
+Layering: the schemas, the limits (:func:`fusion_attention_violation`), the compressed causal mask and the
+softmax math are :mod:`.attention_contract`'s (re-exported here); this module adds the dense layouts and
+hands TND calls to :mod:`.fusion_attention_tnd`, which imports the contract only.
+
 - ``head_num`` is the number of **query** heads. GQA is native: Nq % Nkv == 0, query head ``h`` reads
   key/value head ``h // (Nq // Nkv)`` (what HF ``repeat_kv`` builds).
 - Layouts: BNSD, BSND, BSH and SBH (``H = N * D``; head_num splits it), and TND (varlen: ``[T, N, D]``
@@ -50,156 +54,40 @@ computed here in fp32 and rounded once to q's dtype.
 
 from __future__ import annotations
 
-import functools
-
 import torch
-from ..compat import guard_or_false
+
+from . import fusion_attention_tnd as tnd
+from .attention_contract import (  # noqa: F401 (the contract's names are public here too)
+    COMPRESSED_MASK_MODES,
+    COMPRESSED_MASK_SIZE,
+    FUSION_ATTENTION_GRAD_SCHEMA,
+    FUSION_ATTENTION_SCHEMA,
+    GE_CONVERTER,
+    GE_DTYPES,
+    GE_LAYOUTS,
+    MAX_HEAD_DIM,
+    MAX_QUERY_HEADS,
+    NO_BAND,
+    SOFTMAX_STAT_WIDTH,
+    SUPPORTED_DTYPES,
+    SUPPORTED_INNER_PRECISE,
+    SUPPORTED_SPARSE_MODES,
+    _cpu_compressed_causal_mask,
+    _holds,
+    _mask_shape_violation,
+    _probabilities,
+    compressed_causal_mask,
+    fusion_attention_violation,
+    probability_grads,
+    weighted_values,
+)
 from .define import define_op
 
-FUSION_ATTENTION_SCHEMA = (
-    "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, "
-    "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., "
-    "float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, "
-    "int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
-    'bool gen_mask_parallel=True, bool sync=False, str softmax_layout="", Tensor? sink=None, '
-    "Tensor? dropout_mask=None, int seed=0, int offset=0) -> (Tensor, Tensor, Tensor, Tensor, int, int, int)"
-)
-FUSION_ATTENTION_GRAD_SCHEMA = (
-    "npu_fusion_attention_grad(Tensor query, Tensor key, Tensor value, Tensor dy, int head_num, "
-    "str input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, "
-    "Tensor? softmax_max=None, Tensor? softmax_sum=None, Tensor? softmax_in=None, Tensor? attention_in=None, "
-    "float scale_value=1., float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, "
-    "int inner_precise=0, int seed=0, int offset=0, int numels=0, int[]? prefix=None, "
-    "int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
-    'bool gen_mask_parallel=True, bool sync=False, str softmax_layout="", Tensor? sink=None) '
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
-)
 
-#: q/k/v dtypes the kernel takes (all three equal).
-SUPPORTED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32})
 #: Layouts simulated here by the dense path; TND (varlen) goes to :mod:`.fusion_attention_tnd`.
 SUPPORTED_LAYOUTS = ("BNSD", "BSND", "BSH", "SBH")
-#: Layouts the torchair GE converter accepts (and only with keep_prob == 1).
-GE_LAYOUTS = ("BSH", "BNSD")
-#: sparse_mode values simulated: 0 defaultMask, 2 leftUpCausal, 3 rightDownCausal.
-SUPPORTED_SPARSE_MODES = (0, 2, 3)
-#: sparse_mode values that take the compressed causal mask instead of a full one.
-COMPRESSED_MASK_MODES = (2, 3)
-#: Side of the compressed causal mask that modes 2/3 take, whatever the real sequence lengths.
-COMPRESSED_MASK_SIZE = 2048
-#: The real op accepts inner_precise 0..3 (0/1 reserved, 2 = compute fully masked rows correctly).
-SUPPORTED_INNER_PRECISE = (0, 1, 2, 3)
-#: Dq == Dk must lie in 1..MAX_HEAD_DIM (A2 docs); Dv <= Dk.
-MAX_HEAD_DIM = 768
-#: Nq must lie in 1..MAX_QUERY_HEADS (A2 docs).
-MAX_QUERY_HEADS = 256
-#: Default pre_tockens / next_tockens: no band.
-NO_BAND = 2147483647
-#: Last dim of softmax_max / softmax_sum (the row value repeated), as torch_npu's Meta kernel returns.
-SOFTMAX_STAT_WIDTH = 8
 
 _SOFTMAX_STAT_DTYPE = torch.float32
-
-
-#: q/k/v dtypes torchair's GE op FlashAttentionScore(Grad) takes (its REG_OP, torchair
-#: ``_ge_concrete_graph/auto_generated_ge_raw_ops.py``): fp32 is refused there, though the aclnn kernel
-#: behind eager ``torch_npu.npu_fusion_attention`` takes it.
-GE_DTYPES = frozenset({torch.float16, torch.bfloat16})
-#: Where the GE limits come from (named in every refusal they cause).
-GE_CONVERTER = (
-    "torchair GE converter of npu_fusion_attention (torch_npu 2.13.0/2.9.0 "
-    "ge_converter/custom/npu_fusion_attention.py, FlashAttentionScore)"
-)
-
-
-def _holds(condition) -> bool:
-    """A size condition, symbolic sizes included: decided on this graph's sizes, with a guard."""
-    return guard_or_false(condition)
-
-
-def fusion_attention_violation(
-    query_bnsd: tuple,
-    key_bnsd: tuple,
-    value_bnsd: tuple,
-    dtypes: tuple,
-    *,
-    input_layout: str,
-    head_num: int | None = None,
-    mask_shape: tuple | None = None,
-    sparse_mode: int = 0,
-    keep_prob: float = 1.0,
-    downstream: str | None = None,
-) -> str | None:
-    """Why ``npu_fusion_attention`` (and its grad) would refuse these arguments, or None: the one home of
-    this op's limits, used by the stand-in's validation, ``patterns/attention.py`` and the GE conversion
-    check.
-
-    Kernel limits (torch_npu 2.13.0 ``_op_plugin_docs.py``, the op-plugin page
-    ``torch_npu-npu_fusion_attention.md``; ``npu-op-contracts.md``): one q/k/v dtype in fp16/bf16/fp32;
-    one batch; k and v of one head count and length; Dq == Dk, 1 <= Dv <= Dk <= :data:`MAX_HEAD_DIM`;
-    ``head_num`` == Nq <= :data:`MAX_QUERY_HEADS`, Nq % Nkv == 0 (native GQA); ``atten_mask`` BNSS / B1SS /
-    11SS / SS (or the compressed 2048x2048 mask for sparse modes 2/3); keep_prob in (0, 1].
-
-    With ``downstream="torchair"`` also the GE converter's (:data:`GE_CONVERTER`): layout BSH or BNSD only
-    and keep_prob == 1 only (else NotImplementedError), and the GE op's q/k/v dtypes :data:`GE_DTYPES`.
-
-    Args:
-        query_bnsd: q's ``(B, Nq, Sq, D)`` (sizes may be symbolic), whatever the layout.
-        key_bnsd: k's ``(B, Nkv, Skv, Dk)``.
-        value_bnsd: v's ``(B, Nkv, Skv, Dv)``.
-        dtypes: ``(q.dtype, k.dtype, v.dtype)``.
-        input_layout: the layout passed to the op.
-        head_num: the op's ``head_num`` argument, None when it is Nq by construction.
-        mask_shape: ``atten_mask``'s shape, None without a mask.
-        sparse_mode: the op's ``sparse_mode``.
-        keep_prob: the op's ``keep_prob``.
-        downstream: the backend the graph is handed to; ``"torchair"`` adds the GE limits.
-
-    Returns:
-        None when supported, else a one-line reason.
-    """
-    dtype = dtypes[0]
-    if not all(d == dtype for d in dtypes):
-        return f"dtype mismatch: query/key/value dtypes differ ({', '.join(map(str, dtypes))}); the kernel takes one dtype"
-    if dtype not in SUPPORTED_DTYPES:
-        return f"unsupported dtype {dtype}; npu_fusion_attention takes fp16, bf16, fp32"
-    batch, q_heads, q_len, head_dim = query_bnsd
-    kv_batch, kv_heads, kv_len, key_dim = key_bnsd
-    v_batch, v_heads, v_len, value_dim = value_bnsd
-    if not (_holds(kv_batch == batch) and _holds(v_batch == batch)):
-        return f"batch sizes differ: query {batch}, key {kv_batch}, value {v_batch}"
-    if not (_holds(v_heads == kv_heads) and _holds(v_len == kv_len)):
-        return f"key (N={kv_heads}, S={kv_len}) and value (N={v_heads}, S={v_len}) differ in heads or length"
-    if not _holds(key_dim == head_dim):
-        return f"query head dim {head_dim} != key head dim {key_dim}"
-    if not (_holds(1 <= value_dim) and _holds(value_dim <= head_dim) and _holds(head_dim <= MAX_HEAD_DIM)):
-        return f"head dims D={head_dim}, Dv={value_dim}: npu_fusion_attention needs 1 <= Dv <= D <= {MAX_HEAD_DIM}"
-    if head_num is not None and not _holds(q_heads == head_num):
-        return f"head_num={head_num} != query's head count {q_heads} ({input_layout})"
-    if not _holds(q_heads <= MAX_QUERY_HEADS):
-        return f"Nq={q_heads} query heads > {MAX_QUERY_HEADS}"
-    if not (_holds(kv_heads >= 1) and _holds(q_heads % kv_heads == 0)):
-        return f"Nq={q_heads} is not a multiple of Nkv={kv_heads}; npu_fusion_attention's GQA needs Nq % Nkv == 0"
-    if mask_shape is not None:
-        reason = _mask_shape_violation(tuple(mask_shape), sparse_mode, batch, q_heads, q_len, kv_len)
-        if reason is not None:
-            return reason
-    if not 0.0 < keep_prob <= 1.0:
-        return f"keep_prob={keep_prob} must lie in (0, 1]"
-    if downstream == "torchair":
-        if input_layout not in GE_LAYOUTS:
-            return f"input_layout {input_layout!r}: the {GE_CONVERTER} takes {'/'.join(GE_LAYOUTS)} only"
-        if keep_prob != 1.0:
-            return (
-                f"keep_prob {keep_prob:g}: the {GE_CONVERTER} takes keep_prob == 1 only (NotImplementedError in GE "
-                "mode); train without attention dropout or use another downstream"
-            )
-        if dtype not in GE_DTYPES:
-            return (
-                f"dtype {dtype}: the {GE_CONVERTER} emits the GE op FlashAttentionScore, whose q/k/v are fp16/bf16 "
-                "only (the eager aclnn kernel takes fp32, GE does not); compute attention in bf16/fp16"
-            )
-    return None
 
 
 def call_violation(
@@ -228,7 +116,7 @@ def call_violation(
         None when supported, else a one-line reason (a layout the stand-in cannot parse included).
     """
     if input_layout == "TND":
-        return _tnd().call_violation(query, key, value, head_num, atten_mask=atten_mask, sparse_mode=sparse_mode,
+        return tnd.call_violation(query, key, value, head_num, atten_mask=atten_mask, sparse_mode=sparse_mode,
                                      keep_prob=keep_prob, softmax_layout=softmax_layout, sink=sink,
                                      actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen,
                                      downstream=downstream)
@@ -245,56 +133,6 @@ def call_violation(
         sparse_mode=sparse_mode, keep_prob=keep_prob, downstream=downstream,
     )
 
-
-def _mask_shape_violation(shape: tuple, sparse_mode: int, batch, heads, q_len, kv_len) -> str | None:
-    if sparse_mode in COMPRESSED_MASK_MODES:
-        n = COMPRESSED_MASK_SIZE
-        if shape != (n, n):
-            return (
-                f"sparse_mode={sparse_mode} takes the compressed {n}x{n} causal mask "
-                f"(torch.triu(torch.ones({n}, {n}), diagonal=1).bool()), got shape {shape}"
-            )
-        return None
-    if len(shape) == 2:
-        lead_ok = True
-    elif len(shape) == 4:
-        # BNSS, B1SS, 11SS (a 1NSS mask is not in the list)
-        lead_ok = (_holds(shape[0] == 1) or _holds(shape[0] == batch)) and (
-            _holds(shape[1] == 1) or (_holds(shape[1] == heads) and _holds(shape[0] == batch))
-        )
-    else:
-        lead_ok = False
-    if not (lead_ok and _holds(shape[-2] == q_len) and _holds(shape[-1] == kv_len)):
-        return (
-            f"attention mask shape {shape} is none of BNSS/B1SS/11SS/SS for B={batch}, N={heads}, "
-            f"Sq={q_len}, Skv={kv_len} (npu_fusion_attention does not broadcast masks)"
-        )
-    return None
-
-
-def compressed_causal_mask(device: torch.device | str | None = None) -> torch.Tensor:
-    """The compressed causal mask sparse modes 2/3 take: ``torch.triu(ones(2048, 2048), diagonal=1).bool()``.
-
-    Args:
-        device: where to build it.
-
-    Returns:
-        A ``[2048, 2048]`` bool tensor, True above the diagonal (True = masked out).
-    """
-    n = COMPRESSED_MASK_SIZE
-    return torch.triu(torch.ones(n, n, dtype=torch.bool, device=device), diagonal=1)
-
-
-@functools.cache
-def _cpu_compressed_causal_mask() -> torch.Tensor:
-    return compressed_causal_mask("cpu")
-
-
-def _tnd():
-    """The TND path (imported on first use: it imports :mod:`.varlen_attention`, which imports this module)."""
-    from . import fusion_attention_tnd
-
-    return fusion_attention_tnd
 
 
 def _dims(query, key, value, head_num: int, input_layout: str, op: str):
@@ -341,19 +179,20 @@ def _check_options(
     op,
     dims,
     *,
-    pse,
-    padding_mask,
-    atten_mask,
-    keep_prob,
-    inner_precise,
-    prefix,
-    actual_seq_qlen,
-    actual_seq_kvlen,
-    sparse_mode,
-    softmax_layout,
-    sink,
+    pse=None,
+    padding_mask=None,
+    atten_mask=None,
+    keep_prob=1.0,
+    inner_precise=0,
+    prefix=None,
+    actual_seq_qlen=None,
+    actual_seq_kvlen=None,
+    sparse_mode=0,
+    softmax_layout="",
+    sink=None,
     dropout_mask=None,
     query_dtype=None,
+    **_not_checked,
 ):
     b, nq, _, sq, skv, _, _ = dims
     if padding_mask is not None:
@@ -389,6 +228,28 @@ def _check_options(
         reason = _mask_shape_violation(tuple(atten_mask.shape), sparse_mode, b, nq, sq, skv)
         if reason is not None:
             raise RuntimeError(f"{op}: {reason}")
+
+
+#: The arguments of both ops that are not options (:func:`_options` leaves them out).
+_OPERANDS = frozenset({"query", "key", "value", "dy", "head_num", "input_layout"})
+
+
+def _options(arguments: dict) -> dict:
+    """The options of one call (an op's ``locals()`` on entry): every argument but the tensors and layout."""
+    return {name: value for name, value in arguments.items() if name not in _OPERANDS}
+
+
+def _checked_dims(op: str, query, key, value, head_num: int, input_layout: str, options: dict):
+    """:func:`_dims`, then :func:`_check_options` on the call's ``options``: the dense layouts' validation."""
+    dims = _dims(query, key, value, head_num, input_layout, op)
+    _check_options(op, dims, query_dtype=query.dtype, **options)
+    return dims
+
+
+def _checked_dy(op: str, query, dy, input_layout: str, dims) -> None:
+    out_shape = _out_shape(query, input_layout, dims[1], dims[6])
+    if list(dy.shape) != out_shape:
+        raise RuntimeError(f"{op}: dy shape {tuple(dy.shape)} != attention_out shape {tuple(out_shape)}")
 
 
 def _to_bnsd(t: torch.Tensor, layout: str, n: int) -> torch.Tensor:
@@ -474,23 +335,6 @@ def _numels(dims, keep_prob):
     return b * nq * sq * skv if keep_prob < 1.0 else 0
 
 
-def _probabilities(q, k, pse, masked, scale, group):
-    """fp32 [B, Nq, Sq, Skv] softmax probabilities (0 on fully masked rows), row max and row sum."""
-    k = k.repeat_interleave(group, dim=1) if group > 1 else k
-    scores = q @ k.transpose(-1, -2)
-    if pse is not None:
-        scores = scores + pse.float()
-    scores = scores * scale
-    if masked is not None:
-        scores = scores.masked_fill(masked, float("-inf"))
-    row_max = scores.amax(-1, keepdim=True)
-    safe_max = torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
-    e = torch.exp(scores - safe_max)
-    row_sum = e.sum(-1, keepdim=True)
-    p = e / torch.where(row_sum == 0, torch.ones_like(row_sum), row_sum)
-    return p, row_max, row_sum
-
-
 def reference_fusion_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -558,21 +402,10 @@ def reference_fusion_attention(
             of the wrong dtype/shape (or not the compressed causal mask for modes 2/3), an unsupported
             sparse_mode/inner_precise/keep_prob, or any argument the stand-in does not simulate.
     """
+    options = _options(locals())
     if input_layout == "TND":
-        return _tnd().forward(
-            query, key, value, head_num, pse=pse, padding_mask=padding_mask, atten_mask=atten_mask, scale=scale,
-            keep_prob=keep_prob, inner_precise=inner_precise, prefix=prefix, actual_seq_qlen=actual_seq_qlen,
-            actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode, softmax_layout=softmax_layout, sink=sink,
-            dropout_mask=dropout_mask, seed=seed, offset=offset,
-        )  # fmt: skip
-    op = "npu_fusion_attention"
-    dims = _dims(query, key, value, head_num, input_layout, op)
-    _check_options(
-        op, dims, pse=pse, padding_mask=padding_mask, atten_mask=atten_mask, keep_prob=keep_prob,
-        inner_precise=inner_precise, prefix=prefix, actual_seq_qlen=actual_seq_qlen,
-        actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode, softmax_layout=softmax_layout, sink=sink,
-        dropout_mask=dropout_mask, query_dtype=query.dtype,
-    )  # fmt: skip
+        return tnd.forward(query, key, value, head_num, **options)
+    dims = _checked_dims("npu_fusion_attention", query, key, value, head_num, input_layout, options)
     b, nq, nkv, sq, skv, _, _ = dims
     group = nq // nkv
     q = _to_bnsd(query, input_layout, nq).float()
@@ -583,8 +416,7 @@ def reference_fusion_attention(
     if keep_prob < 1.0:
         keep = dropout_keep_mask((b, nq, sq, skv), keep_prob, seed, offset, query.device)
         p = p * keep / keep_prob
-    v = v.repeat_interleave(group, dim=1) if group > 1 else v
-    out = _from_bnsd((p @ v).to(query.dtype), input_layout)
+    out = _from_bnsd(weighted_values(p, v, group).to(query.dtype), input_layout)
     stat_shape = (b, nq, sq, SOFTMAX_STAT_WIDTH)
     softmax_max = row_max.expand(stat_shape).contiguous()
     softmax_sum = row_sum.expand(stat_shape).contiguous()
@@ -647,25 +479,13 @@ def reference_fusion_attention_grad(
     Raises:
         RuntimeError: whatever the forward would raise for these arguments, or a dy of the wrong shape.
     """
+    options = _options(locals())
     if input_layout == "TND":
-        return _tnd().grad(
-            query, key, value, dy, head_num, pse=pse, padding_mask=padding_mask, atten_mask=atten_mask,
-            scale_value=scale_value, keep_prob=keep_prob, inner_precise=inner_precise, prefix=prefix,
-            actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode,
-            softmax_layout=softmax_layout, sink=sink,
-        )  # fmt: skip
+        return tnd.grad(query, key, value, dy, head_num, **options)
     op = "npu_fusion_attention_grad"
-    dims = _dims(query, key, value, head_num, input_layout, op)
-    _check_options(
-        op, dims, pse=pse, padding_mask=padding_mask, atten_mask=atten_mask, keep_prob=keep_prob,
-        inner_precise=inner_precise, prefix=prefix, actual_seq_qlen=actual_seq_qlen,
-        actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode, softmax_layout=softmax_layout, sink=sink,
-        query_dtype=query.dtype,
-    )  # fmt: skip
-    b, nq, nkv, sq, skv, d, dv_dim = dims
-    out_shape = _out_shape(query, input_layout, nq, dv_dim)
-    if list(dy.shape) != out_shape:
-        raise RuntimeError(f"{op}: dy shape {tuple(dy.shape)} != attention_out shape {tuple(out_shape)}")
+    dims = _checked_dims(op, query, key, value, head_num, input_layout, options)
+    b, nq, nkv, sq, skv, _, _ = dims
+    _checked_dy(op, query, dy, input_layout, dims)
     group = nq // nkv
     q = _to_bnsd(query, input_layout, nq).float()
     k = _to_bnsd(key, input_layout, nkv).float()
@@ -673,23 +493,10 @@ def reference_fusion_attention_grad(
     do = _to_bnsd(dy, input_layout, nq).float()
     masked = _masked_positions(atten_mask, sparse_mode, pre_tockens, next_tockens, sq, skv, query.device)
     p, _, _ = _probabilities(q, k, pse, masked, scale_value, group)
-    k_rep = k.repeat_interleave(group, dim=1) if group > 1 else k
-    v_rep = v.repeat_interleave(group, dim=1) if group > 1 else v
+    keep = None
     if keep_prob < 1.0:
         keep = dropout_keep_mask((b, nq, sq, skv), keep_prob, seed, offset, query.device) / keep_prob
-        p_drop = p * keep
-    else:
-        keep, p_drop = None, p
-    dv_full = p_drop.transpose(-1, -2) @ do  # [B, Nq, Skv, Dv]
-    dp = do @ v_rep.transpose(-1, -2)  # [B, Nq, Sq, Skv]
-    if keep is not None:
-        dp = dp * keep
-    ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * scale_value
-    dq = ds @ k_rep
-    dk_full = ds.transpose(-1, -2) @ q
-    if group > 1:
-        dk_full = dk_full.reshape(b, nkv, group, skv, d).sum(2)
-        dv_full = dv_full.reshape(b, nkv, group, skv, dv_dim).sum(2)
+    dq, dk_full, dv_full = probability_grads(q, k, v, do, p, scale_value, group, keep)
     dtype = query.dtype
     return (
         _from_bnsd(dq.to(dtype), input_layout),
@@ -706,21 +513,10 @@ def _fake_fusion_attention(
     actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True, sync=False,
     softmax_layout="", sink=None, dropout_mask=None, seed=0, offset=0,
 ):  # fmt: skip
+    options = _options(locals())
     if input_layout == "TND":
-        return _tnd().fake_forward(
-            query, key, value, head_num, pse=pse, padding_mask=padding_mask, atten_mask=atten_mask, scale=scale,
-            keep_prob=keep_prob, inner_precise=inner_precise, prefix=prefix, actual_seq_qlen=actual_seq_qlen,
-            actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode, softmax_layout=softmax_layout, sink=sink,
-            dropout_mask=dropout_mask, seed=seed, offset=offset,
-        )  # fmt: skip
-    op = "npu_fusion_attention"
-    dims = _dims(query, key, value, head_num, input_layout, op)
-    _check_options(
-        op, dims, pse=pse, padding_mask=padding_mask, atten_mask=atten_mask, keep_prob=keep_prob,
-        inner_precise=inner_precise, prefix=prefix, actual_seq_qlen=actual_seq_qlen,
-        actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode, softmax_layout=softmax_layout, sink=sink,
-        dropout_mask=dropout_mask, query_dtype=query.dtype,
-    )  # fmt: skip
+        return tnd.fake_forward(query, key, value, head_num, **options)
+    dims = _checked_dims("npu_fusion_attention", query, key, value, head_num, input_layout, options)
     b, nq, _, sq, _, _, dv = dims
     stat_shape = [b, nq, sq, SOFTMAX_STAT_WIDTH]
     return (
@@ -736,20 +532,10 @@ def _fake_fusion_attention(
 
 def _fake_fusion_attention_grad(query, key, value, dy, head_num, input_layout, **kwargs):
     if input_layout == "TND":
-        return _tnd().fake_grad(query, key, value, dy, head_num, **kwargs)
+        return tnd.fake_grad(query, key, value, dy, head_num, **kwargs)
     op = "npu_fusion_attention_grad"
-    dims = _dims(query, key, value, head_num, input_layout, op)
-    _check_options(
-        op, dims, pse=kwargs.get("pse"), padding_mask=kwargs.get("padding_mask"),
-        atten_mask=kwargs.get("atten_mask"), keep_prob=kwargs.get("keep_prob", 1.0),
-        inner_precise=kwargs.get("inner_precise", 0), prefix=kwargs.get("prefix"),
-        actual_seq_qlen=kwargs.get("actual_seq_qlen"), actual_seq_kvlen=kwargs.get("actual_seq_kvlen"),
-        sparse_mode=kwargs.get("sparse_mode", 0), softmax_layout=kwargs.get("softmax_layout", ""),
-        sink=kwargs.get("sink"), query_dtype=query.dtype,
-    )  # fmt: skip
-    out_shape = _out_shape(query, input_layout, dims[1], dims[6])
-    if list(dy.shape) != out_shape:
-        raise RuntimeError(f"{op}: dy shape {tuple(dy.shape)} != attention_out shape {tuple(out_shape)}")
+    dims = _checked_dims(op, query, key, value, head_num, input_layout, kwargs)
+    _checked_dy(op, query, dy, input_layout, dims)
     return (
         query.new_empty(query.shape),
         query.new_empty(key.shape),

@@ -16,7 +16,8 @@ agree when Sq_b == Skv_b. Outputs: ``attention_out [Tq, Nq, Dv]`` (q's dtype), `
 ``softmax_sum`` fp32 ``[Tq, Nq, 8]`` (torch_npu's Meta kernel's TND shape; the docs say ``[N, T, 8]``),
 softmax_out ``[0]``, seed, offset, numels 0. The grad op returns ``(dq, dk, dv, dpse [0], dsink [0] fp32)``.
 
-Limits: :func:`~.varlen_attention.tnd_violation` (offsets non-decreasing here, so an empty sequence is
+Layering: this module imports only :mod:`.attention_contract` (the limits, the softmax math);
+:mod:`.fusion_attention` imports it. Limits: :func:`~.attention_contract.tnd_violation` (offsets non-decreasing here, so an empty sequence is
 skipped; last == T). Not simulated
 in TND (RuntimeError): dropout (``keep_prob < 1``: the real kernel's per-sequence Philox stream has no
 faithful CPU counterpart), ``pse``, an explicit mask with ``sparse_mode`` 0, ``softmax_layout``, and
@@ -28,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from . import fusion_attention as fa
-from .varlen_attention import tnd_violation
+from . import attention_contract as contract
+from .attention_contract import tnd_violation
 
 _UNSIMULATED = ("prefix", "sink", "dropout_mask", "pse")
 
@@ -40,7 +41,7 @@ def check_call(op: str, query, key, value, head_num: int, *, atten_mask=None, ke
     """Validate a TND call of ``op``; returns ``(q_ends, kv_ends, effective sparse_mode)`` (0 without a mask).
 
     Raises:
-        RuntimeError: naming the argument or limit (:func:`~.varlen_attention.tnd_violation`) that fails.
+        RuntimeError: naming the argument or limit (:func:`~.attention_contract.tnd_violation`) that fails.
     """
     if padding_mask is not None:
         raise RuntimeError(f"{op}: padding_mask is not supported (torch_npu 2.13.0 docs)")
@@ -55,17 +56,17 @@ def check_call(op: str, query, key, value, head_num: int, *, atten_mask=None, ke
     if keep_prob != 1.0:
         raise RuntimeError(f"{op}: keep_prob={keep_prob} (dropout) in TND is not simulated by the CPU stand-in; "
                            "pass keep_prob=1.0 (attention_dropout=0)")
-    if inner_precise not in fa.SUPPORTED_INNER_PRECISE:
-        raise RuntimeError(f"{op}: inner_precise={inner_precise} not in {fa.SUPPORTED_INNER_PRECISE}")
-    if sparse_mode not in fa.SUPPORTED_SPARSE_MODES:
-        raise RuntimeError(f"{op}: sparse_mode={sparse_mode} is not simulated (supported: {fa.SUPPORTED_SPARSE_MODES})")
+    if inner_precise not in contract.SUPPORTED_INNER_PRECISE:
+        raise RuntimeError(f"{op}: inner_precise={inner_precise} not in {contract.SUPPORTED_INNER_PRECISE}")
+    if sparse_mode not in contract.SUPPORTED_SPARSE_MODES:
+        raise RuntimeError(f"{op}: sparse_mode={sparse_mode} is not simulated (supported: {contract.SUPPORTED_SPARSE_MODES})")
     if atten_mask is not None:
-        if sparse_mode not in fa.COMPRESSED_MASK_MODES:
+        if sparse_mode not in contract.COMPRESSED_MASK_MODES:
             raise RuntimeError(f"{op}: TND with sparse_mode={sparse_mode} and an explicit atten_mask is not simulated; "
                                "pass the compressed causal mask with sparse_mode 2/3, or no mask")
         if atten_mask.dtype not in (torch.bool, torch.uint8):
             raise RuntimeError(f"{op}: atten_mask must be bool or uint8 (True = masked out), got {atten_mask.dtype}")
-        n = fa.COMPRESSED_MASK_SIZE
+        n = contract.COMPRESSED_MASK_SIZE
         if tuple(atten_mask.shape) != (n, n):
             raise RuntimeError(f"{op}: sparse_mode={sparse_mode} takes the compressed {n}x{n} causal mask "
                                f"(torch.triu(torch.ones({n}, {n}), diagonal=1).bool()), got shape {tuple(atten_mask.shape)}")
@@ -83,7 +84,7 @@ def check_call(op: str, query, key, value, head_num: int, *, atten_mask=None, ke
 def _check_mask_values(op: str, atten_mask) -> None:
     if atten_mask is None:
         return
-    expected = fa._cpu_compressed_causal_mask() if atten_mask.device.type == "cpu" else fa.compressed_causal_mask(atten_mask.device)
+    expected = contract._cpu_compressed_causal_mask() if atten_mask.device.type == "cpu" else contract.compressed_causal_mask(atten_mask.device)
     if not torch.equal(atten_mask.bool(), expected):
         raise RuntimeError(f"{op}: the compressed causal mask must be torch.triu(torch.ones(2048, 2048), "
                            "diagonal=1).bool(); got another 2048x2048 mask")
@@ -125,12 +126,11 @@ def forward(query, key, value, head_num, *, scale=1.0, **options):
     row_sum = torch.zeros((tokens, nq), dtype=torch.float32, device=query.device)
     for qs, qe, ks, ke in _segments(q_ends, kv_ends):
         q, k, v = _heads_first(query, qs, qe), _heads_first(key, ks, ke), _heads_first(value, ks, ke)
-        p, seg_max, seg_sum = fa._probabilities(q, k, None, _causal(mode, qe - qs, ke - ks, query.device), scale, group)
-        v = v.repeat_interleave(group, dim=1) if group > 1 else v
-        out[qs:qe] = (p @ v)[0].transpose(0, 1).to(query.dtype)
+        p, seg_max, seg_sum = contract._probabilities(q, k, None, _causal(mode, qe - qs, ke - ks, query.device), scale, group)
+        out[qs:qe] = contract.weighted_values(p, v, group)[0].transpose(0, 1).to(query.dtype)
         row_max[qs:qe] = seg_max[0, :, :, 0].transpose(0, 1)
         row_sum[qs:qe] = seg_sum[0, :, :, 0].transpose(0, 1)
-    stat_shape = (tokens, nq, fa.SOFTMAX_STAT_WIDTH)
+    stat_shape = (tokens, nq, contract.SOFTMAX_STAT_WIDTH)
     softmax_max = row_max.unsqueeze(-1).expand(stat_shape).contiguous()
     softmax_sum = row_sum.unsqueeze(-1).expand(stat_shape).contiguous()
     return out, softmax_max, softmax_sum, query.new_empty([0]), options.get("seed", 0), options.get("offset", 0), 0
@@ -145,33 +145,25 @@ def grad(query, key, value, dy, head_num, *, scale_value=1.0, **options):
     q_ends, kv_ends, mode = check_call(op, query, key, value, head_num, **options)
     _check_dy(op, query, value, dy)
     _check_mask_values(op, options.get("atten_mask"))
-    nq, nkv, d, dv_dim = query.shape[1], key.shape[1], query.shape[2], value.shape[2]
-    group = nq // nkv
+    group = query.shape[1] // key.shape[1]
     dq = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     dk = torch.zeros(key.shape, dtype=torch.float32, device=query.device)
     dv = torch.zeros(value.shape, dtype=torch.float32, device=query.device)
     for qs, qe, ks, ke in _segments(q_ends, kv_ends):
         q, k, v = _heads_first(query, qs, qe), _heads_first(key, ks, ke), _heads_first(value, ks, ke)
         do = _heads_first(dy, qs, qe)
-        sq, skv = qe - qs, ke - ks
-        p, _, _ = fa._probabilities(q, k, None, _causal(mode, sq, skv, query.device), scale_value, group)
-        k_rep = k.repeat_interleave(group, dim=1) if group > 1 else k
-        v_rep = v.repeat_interleave(group, dim=1) if group > 1 else v
-        dv_seg = p.transpose(-1, -2) @ do  # [1, Nq, Skv, Dv]
-        dp = do @ v_rep.transpose(-1, -2)  # [1, Nq, Sq, Skv]
-        ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * scale_value
-        dq[qs:qe] = (ds @ k_rep)[0].transpose(0, 1)
-        dk_seg = (ds.transpose(-1, -2) @ q).reshape(nkv, group, skv, d).sum(1)
-        dv_seg = dv_seg.reshape(nkv, group, skv, dv_dim).sum(1)
-        dk[ks:ke] += dk_seg.transpose(0, 1)
-        dv[ks:ke] += dv_seg.transpose(0, 1)
+        p, _, _ = contract._probabilities(q, k, None, _causal(mode, qe - qs, ke - ks, query.device), scale_value, group)
+        dq_seg, dk_seg, dv_seg = contract.probability_grads(q, k, v, do, p, scale_value, group)
+        dq[qs:qe] = dq_seg[0].transpose(0, 1)
+        dk[ks:ke] += dk_seg[0].transpose(0, 1)
+        dv[ks:ke] += dv_seg[0].transpose(0, 1)
     dtype = query.dtype
     return dq.to(dtype), dk.to(dtype), dv.to(dtype), query.new_empty([0]), query.new_zeros([0], dtype=torch.float32)
 
 
 def _check_dy(op, query, value, dy) -> None:
     expected = [query.shape[0], query.shape[1], value.shape[2]]
-    if dy.dim() != 3 or not all(fa._holds(a == b) for a, b in zip(dy.shape, expected)):
+    if dy.dim() != 3 or not all(contract._holds(a == b) for a, b in zip(dy.shape, expected)):
         raise RuntimeError(f"{op}: dy shape {tuple(dy.shape)} != attention_out shape {tuple(expected)}")
 
 
@@ -179,7 +171,7 @@ def fake_forward(query, key, value, head_num, *, scale=1.0, **options):
     """Fake kernel of the TND forward: shapes only (T may be symbolic)."""
     check_call("npu_fusion_attention", query, key, value, head_num, **options)
     tokens, nq = query.shape[0], query.shape[1]
-    stat_shape = (tokens, nq, fa.SOFTMAX_STAT_WIDTH)
+    stat_shape = (tokens, nq, contract.SOFTMAX_STAT_WIDTH)
     return (
         query.new_empty((tokens, nq, value.shape[2])),
         query.new_empty(stat_shape, dtype=torch.float32),
@@ -215,6 +207,6 @@ def call_violation(query, key, value, head_num, *, atten_mask=None, sparse_mode=
     except RuntimeError as exc:
         return str(exc)
     if downstream == "torchair":
-        return (f"input_layout 'TND': the {fa.GE_CONVERTER} takes {'/'.join(fa.GE_LAYOUTS)} only; "
+        return (f"input_layout 'TND': the {contract.GE_CONVERTER} takes {'/'.join(contract.GE_LAYOUTS)} only; "
                 "qwen_npu::varlen_attention carries varlen attention to GE")
     return None

@@ -22,26 +22,33 @@ backward graph holds that op (and no recomputation in ATen). The fake kernels ta
 ``seq_ends`` of unbacked length.
 
 Limits: :func:`varlen_violation`, the one home of the varlen kernel's limits (the stand-in's TND path
-uses it too). Contract: ``/work/notes/varlen-contract.md``.
+uses it too), which lives with the other attention limits in :mod:`.attention_contract` (the bottom of the
+attention ops: this module and :mod:`.fusion_attention_tnd` import it, not each other) and is importable here. Contract: ``/work/notes/varlen-contract.md``.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 
 import torch
 
 from ..compat import guard_or_false
 from . import ensure_npu_ops
-from .define import define_op
-from .fusion_attention import (
+from .attention_contract import (  # noqa: F401 (the varlen limits are public here too)
     COMPRESSED_MASK_MODES,
-    GE_DTYPES,
+    MAX_SEGMENTS,
+    MAX_TOKENS,
     SOFTMAX_STAT_WIDTH,
+    SPARSE_MODES,
+    VARLEN_SOURCE,
+    _ends_tensor_violation,
+    _known_ends,
     compressed_causal_mask,
-    fusion_attention_violation,
+    offsets_violation,
+    tnd_violation,
+    varlen_violation,
 )
+from .define import define_op
 
 NAMESPACE = "qwen_npu"
 SCHEMA = (
@@ -55,47 +62,12 @@ BACKWARD_SCHEMA = (
 )
 SEQ_ENDS_SCHEMA = "seq_ends_from_positions(Tensor position_ids, str rule) -> Tensor"
 
-#: At most this many tokens T (query and key) per call: 1M (aclnnFlashAttentionVarLenScore.md, CANN
-#: ops-transformer ``attention/flash_attention_score/docs``; ``verl-default-path.md`` §4 "Varlen constraints").
-MAX_TOKENS = 2**20
-#: At most this many sequences (``len(actual_seq_qlen)``, 1..2K) per call (same sources).
-MAX_SEGMENTS = 2048
-#: sparse_mode values of the varlen op: 0 no mask (non-causal), 2 left-up causal, 3 right-down causal.
-SPARSE_MODES = (0, 2, 3)
 #: The rules of :func:`seq_ends_from_positions` (see there).
 RULES = ("restart", "zero")
-#: Where the limits come from (named in refusals).
-VARLEN_SOURCE = (
-    "the varlen kernel (aclnnFlashAttentionVarLenScore.md; torch_npu 2.13.0 npu_fusion_attention TND; "
-    "shared/reference/verl-default-path.md §4)"
-)
 
 
 # --------------------------------------------------------------------------------------------------
 # limits
-
-
-def _known_ends(ends) -> list[int] | None:
-    """The offsets' values when they can be read without tracing: a plain tensor (not fake/meta; a device
-    tensor costs one copy to the host), or a list/tuple of Python ints. None otherwise (symbolic)."""
-    if isinstance(ends, torch.Tensor):
-        if type(ends) is not torch.Tensor or ends.is_meta:
-            return None  # FakeTensor, FunctionalTensor, ...: values unknown while tracing
-        return [int(e) for e in ends.tolist()]
-    if all(type(e) is int for e in ends):
-        return list(ends)
-    return None
-
-
-def _definitely(condition) -> bool:
-    """True only when ``condition`` is known to hold (an unbacked size is not known to break a limit)."""
-    return guard_or_false(condition)
-
-
-def _ends_tensor_violation(ends: torch.Tensor, name: str = "seq_ends") -> str | None:
-    if ends.dtype != torch.int64 or ends.dim() != 1:
-        return f"{name} must be a 1-D int64 tensor of cumulative end offsets, got {ends.dtype}{list(ends.shape)}"
-    return None
 
 
 def _host_ends(op: str, seq_ends: torch.Tensor) -> list[int]:
@@ -104,159 +76,6 @@ def _host_ends(op: str, seq_ends: torch.Tensor) -> list[int]:
     if reason is not None:
         raise RuntimeError(f"{NAMESPACE}::{op}: {reason}")
     return [int(e) for e in seq_ends.tolist()]
-
-
-def offsets_violation(ends, total, *, name: str = "seq_ends", strict: bool = True) -> str | None:
-    """Why ``ends`` are not valid cumulative end offsets of packed sequences over ``total`` tokens, or None.
-
-    Limits (:data:`VARLEN_SOURCE`; CANN >= 9.0 validates that the offsets end at T, vllm-ascend #10956):
-    1 to :data:`MAX_SEGMENTS` entries; non-decreasing (``strict``: strictly increasing, i.e. no empty
-    sequence) and non-negative; the last one == ``total``. A tensor must be 1-D int64. Values are checked
-    only when known (:func:`_known_ends`); the count only when it is not an unbacked size.
-
-    Args:
-        ends: an int64 tensor ``[B]`` (maybe fake, maybe of unbacked length) or a sequence of ints.
-        total: T, the token count (int or SymInt).
-        name: how the offsets are called in the message.
-        strict: require strictly increasing offsets.
-    """
-    if isinstance(ends, torch.Tensor):
-        reason = _ends_tensor_violation(ends, name)
-        if reason is not None:
-            return reason
-        count = ends.shape[0]
-    else:
-        count = len(ends)
-    if _definitely(count < 1):
-        return f"{name} is empty; the varlen kernel needs 1 to {MAX_SEGMENTS} sequences"
-    if _definitely(count > MAX_SEGMENTS):
-        return (f"{count} sequences > {MAX_SEGMENTS}, the most {VARLEN_SOURCE} takes per call; split the "
-                "micro-batch")
-    values = _known_ends(ends)
-    if values is None:
-        return None
-    previous = 0
-    for i, end in enumerate(values):
-        if end < previous or (strict and end == previous):
-            order = "strictly increasing" if strict else "non-decreasing"
-            return (f"{name} must be {order} cumulative end offsets starting above 0; entry {i} is {end} after "
-                    f"{previous} ({values[:8]}{'...' if len(values) > 8 else ''})")
-        previous = end
-    if not guard_or_false(previous == total):
-        return (f"{name} ends at {previous}, not at T={total}: the offsets must cover every token (CANN >= 9.0 "
-                "refuses offsets that do not end at T, vllm-ascend #10956); pack the padding as a sequence of its own")
-    return None
-
-
-def tnd_violation(
-    query,
-    key,
-    value,
-    head_num: int | None,
-    q_ends=None,
-    kv_ends=None,
-    *,
-    sparse_mode: int = 3,
-    strict: bool = True,
-    downstream: str | None = None,
-) -> str | None:
-    """Why ``npu_fusion_attention`` in TND would refuse these arguments, or None: :func:`varlen_violation`
-    for separate query / key offsets (the stand-in's and any TND call's check).
-
-    Adds to :func:`varlen_violation`: ``q_ends`` and ``kv_ends`` of one length, each checked by
-    :func:`offsets_violation` against its own T; mode 3 needs Sq <= Skv in every sequence (the varlen docs),
-    which also rules out fully masked rows; a sequence with Sq > 0 and Skv == 0 is refused (its rows would
-    be fully masked, which the varlen kernel does not support).
-    """
-    tensors = (query, key, value)
-    if not all(isinstance(t, torch.Tensor) for t in tensors):
-        return "query, key and value must be tensors"
-    if not all(t.dim() == 3 for t in tensors):
-        return (f"TND needs 3-D query/key/value [T, N, D], got {[list(t.shape) for t in tensors]}; view "
-                "[1, T, N, D] as [T, N, D]")
-    (t_q, nq, d), (t_kv, nkv, dk), (t_v, nv, dv) = query.shape, key.shape, value.shape
-    reason = fusion_attention_violation(
-        (1, nq, t_q, d), (1, nkv, t_kv, dk), (1, nv, t_v, dv), (query.dtype, key.dtype, value.dtype),
-        input_layout="TND", head_num=head_num,
-    )
-    if reason is not None:
-        return reason
-    if not (guard_or_false(t_q <= MAX_TOKENS) and guard_or_false(t_kv <= MAX_TOKENS)):
-        return (f"T={t_q} query / {t_kv} key tokens > {MAX_TOKENS} (2**20), the most {VARLEN_SOURCE} takes; "
-                "split the micro-batch")
-    if sparse_mode not in SPARSE_MODES:
-        return f"sparse_mode={sparse_mode}: varlen attention takes {SPARSE_MODES} (0 none, 2 left-up, 3 right-down causal)"
-    for name, ends, total in (("actual_seq_qlen", q_ends, t_q), ("actual_seq_kvlen", kv_ends, t_kv)):
-        if ends is None:
-            continue
-        reason = offsets_violation(ends, total, name=name, strict=strict)
-        if reason is not None:
-            return reason
-    if q_ends is not None and kv_ends is not None and q_ends is not kv_ends:
-        q_values, kv_values = _known_ends(q_ends), _known_ends(kv_ends)
-        if q_values is not None and kv_values is not None:
-            if len(q_values) != len(kv_values):
-                return (f"actual_seq_qlen has {len(q_values)} sequences, actual_seq_kvlen {len(kv_values)}; "
-                        "they must describe the same sequences")
-            q_starts, kv_starts = [0, *q_values[:-1]], [0, *kv_values[:-1]]
-            for i, (qs, qe, ks, ke) in enumerate(zip(q_starts, q_values, kv_starts, kv_values)):
-                sq, skv = qe - qs, ke - ks
-                if sq > 0 and skv == 0:
-                    return f"sequence {i} has Sq={sq} queries and no keys: its rows would be fully masked"
-                if sparse_mode == 3 and sq > skv:
-                    return (f"sequence {i}: Sq={sq} > Skv={skv}; sparse_mode 3 (right-down causal) needs Sq <= Skv "
-                            "in every sequence (varlen docs)")
-    if downstream == "torchair" and query.dtype not in GE_DTYPES:
-        return (f"dtype {query.dtype}: GE's FlashAttentionScore takes fp16/bf16 q/k/v only (torchair "
-                "auto_generated_ge_raw_ops.py); compute attention in bf16/fp16")
-    return None
-
-
-def varlen_violation(
-    query,
-    key,
-    value,
-    seq_ends=None,
-    head_num: int | None = None,
-    *,
-    sparse_mode: int = 3,
-    downstream: str | None = None,
-) -> str | None:
-    """Why ``varlen_attention(query, key, value, seq_ends, head_num, ...)`` would fail, or None: THE one home
-    of the varlen kernel's limits, used by this op's kernels and fake kernels, the stand-in's TND path, the
-    patterns that emit the op and the GE conversion check.
-
-    Limits (:data:`VARLEN_SOURCE`: ``aclnnFlashAttentionVarLenScore.md``; torch_npu 2.13.0
-    ``npu_fusion_attention`` docs; ``shared/reference/npu-op-contracts.md``):
-
-    - q/k/v 3-D TND of one dtype in fp16/bf16/fp32; k and v of one T and head count, q's T == k's T
-      (self-attention: one ``seq_ends`` for both);
-    - T <= :data:`MAX_TOKENS` (1M); Nq == ``head_num`` <= 256 (``MAX_QUERY_HEADS``), Nq % Nkv == 0 (GQA);
-      1 <= Dv <= D <= 768 (``MAX_HEAD_DIM``) (reused from :mod:`.fusion_attention`);
-    - ``sparse_mode`` in :data:`SPARSE_MODES`;
-    - ``seq_ends`` (when given) 1-D int64 with 1 to :data:`MAX_SEGMENTS` (2K) entries (the count unless
-      it is an unbacked size), strictly increasing, last == T (CANN >= 9.0) when its values are known
-      (a plain tensor, read on the host);
-    - ``downstream="torchair"``: q/k/v fp16/bf16 (``GE_DTYPES``: GE's FlashAttentionScore refuses fp32).
-
-    Args:
-        query: ``[T, Nq, D]`` tensor or FakeTensor (T may be symbolic).
-        key: ``[T, Nkv, D]``.
-        value: ``[T, Nkv, Dv]``.
-        seq_ends: int64 ``[B]`` cumulative end offsets, or None to check the tensors only.
-        head_num: the op's ``head_num`` (None: Nq).
-        sparse_mode: the op's ``sparse_mode``.
-        downstream: the backend the graph is handed to; ``"torchair"`` adds the GE limits.
-
-    Returns:
-        None when supported, else a one-line reason.
-    """
-    if isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() == 3 and key.dim() == 3:
-        if not guard_or_false(query.shape[0] == key.shape[0]):
-            return (f"query has {query.shape[0]} tokens, key {key.shape[0]}: varlen_attention is self-attention "
-                    "over one packing (one seq_ends for both)")
-    return tnd_violation(query, key, value, head_num, seq_ends, seq_ends, sparse_mode=sparse_mode,
-                         downstream=downstream)
 
 
 def _check(op: str, query, key, value, seq_ends, head_num, sparse_mode) -> None:
@@ -274,6 +93,16 @@ def _mask_on(device: str) -> torch.Tensor:
 
 def _mask_for(sparse_mode: int, device: torch.device) -> torch.Tensor | None:
     return _mask_on(str(device)) if sparse_mode in COMPRESSED_MASK_MODES else None
+
+
+def _tnd_kernel(name: str, tensors: tuple, head_num: int, ends: list[int], sparse_mode: int, **options):
+    """``torch.ops.npu.<name>`` (``npu_fusion_attention`` or its grad) in TND over one packing, after
+    :func:`~.ensure_npu_ops`; its first three outputs."""
+    ensure_npu_ops()
+    return getattr(torch.ops.npu, name).default(
+        *(t.contiguous() for t in tensors), head_num, "TND", atten_mask=_mask_for(sparse_mode, tensors[0].device),
+        actual_seq_qlen=ends, actual_seq_kvlen=ends, sparse_mode=sparse_mode, **options,
+    )[:3]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -310,12 +139,9 @@ def varlen_attention(
     """
     ends = _host_ends("varlen_attention", seq_ends)
     _check("varlen_attention", query, key, value, ends, head_num, sparse_mode)
-    ensure_npu_ops()
-    out, softmax_max, softmax_sum = torch.ops.npu.npu_fusion_attention.default(
-        query.contiguous(), key.contiguous(), value.contiguous(), head_num, "TND",
-        atten_mask=_mask_for(sparse_mode, query.device), scale=scale, actual_seq_qlen=ends,
-        actual_seq_kvlen=ends, sparse_mode=sparse_mode,
-    )[:3]
+    out, softmax_max, softmax_sum = _tnd_kernel(
+        "npu_fusion_attention", (query, key, value), head_num, ends, sparse_mode, scale=scale
+    )
     return out, softmax_max, softmax_sum
 
 
@@ -359,12 +185,10 @@ def varlen_attention_backward(
     """
     ends = _host_ends("varlen_attention_backward", seq_ends)
     _check_backward(dy, query, key, value, ends, head_num, sparse_mode)
-    ensure_npu_ops()
-    dq, dk, dv = torch.ops.npu.npu_fusion_attention_grad.default(
-        query.contiguous(), key.contiguous(), value.contiguous(), dy.contiguous(), head_num, "TND",
-        atten_mask=_mask_for(sparse_mode, query.device), softmax_max=softmax_max, softmax_sum=softmax_sum,
-        attention_in=out, scale_value=scale, actual_seq_qlen=ends, actual_seq_kvlen=ends, sparse_mode=sparse_mode,
-    )[:3]
+    dq, dk, dv = _tnd_kernel(
+        "npu_fusion_attention_grad", (query, key, value, dy), head_num, ends, sparse_mode,
+        softmax_max=softmax_max, softmax_sum=softmax_sum, attention_in=out, scale_value=scale,
+    )
     return dq, dk, dv
 
 

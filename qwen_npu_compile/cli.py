@@ -23,11 +23,17 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
+from .run_report import FAMILY_NAMES  # no torch
 
-from .check.harness import DTYPES, run_check
-from .check.table import print_table
-from .config import ALL_FAMILIES, DOWNSTREAMS, dump_dir_problem
+# No torch, transformers or pattern import at module level: ``--help``, argument errors and ``report`` need
+# none of them and answer in a fraction of a second; ``check`` imports them in :func:`main`. The names the
+# parser shows are therefore spelled here; tests/e2e/test_newcomer.py keeps them equal to their sources
+# (``check.harness.DTYPES``, ``config.DOWNSTREAMS``; the families: ``run_report.FAMILY_NAMES``).
+
+#: ``--dtype`` choices (the keys of :data:`qwen_npu_compile.check.harness.DTYPES`).
+DTYPE_NAMES = ("bf16", "fp16", "fp32")
+#: ``--downstream`` choices (:data:`qwen_npu_compile.config.DOWNSTREAMS`).
+DOWNSTREAM_NAMES = ("torchair", "aot_eager", "eager", "inductor")
 
 
 def positive_int(text: str) -> int:
@@ -57,13 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--layers", type=positive_int, default=None, help="decoder layers to build (default: all)")
     check.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
     check.add_argument("--seq-len", type=positive_int, default=64, help="tokens per sequence (default 64)")
-    check.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="parameter dtype (default bf16)")
+    check.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16", help="parameter dtype (default bf16)")
     check.add_argument("--mode", choices=("train", "infer"), default="train", help="train adds the backward (default)")
     check.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa", help="attn_implementation (default sdpa)")
     check.add_argument("--fusions", default=None,
-                       help=f"families to enable: all, none or a subset of {','.join(ALL_FAMILIES)} "
+                       help=f"families to enable: all, none or a subset of {','.join(FAMILY_NAMES)} "
                             "(default: $QWEN_NPU_FUSIONS, else all)")
-    check.add_argument("--downstream", choices=DOWNSTREAMS, default=None,
+    check.add_argument("--downstream", choices=DOWNSTREAM_NAMES, default=None,
                        help="backend after fusion (default: torchair on NPU, else aot_eager); torchair without an NPU "
                             "runs torchair's FX->GE conversion off-NPU (torch_npu wheel downloaded into a cache)")
     check.add_argument("--dynamic", action="store_true",
@@ -99,13 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``qwen-npu-compile`` console script; returns the exit status."""
-    from .torchair_offline.wheel import TorchairUnavailableError
-
     args = build_parser().parse_args(argv)
     if args.command == "report":
-        from . import run_report
+        from . import run_report  # no torch
 
         return run_report.main(args)
+    import torch
+
+    from .check.table import print_table
+    from .torchair_offline.wheel import TorchairUnavailableError
+
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     if args.json_path is not None and (problem := json_path_problem(args.json_path)) is not None:
         print(f"qwen-npu-compile: error: --json {str(args.json_path)!r} {problem}", file=sys.stderr)
@@ -139,10 +148,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if result["verdict"] == "PASS" else 1
 
 
+def run_check(args: argparse.Namespace) -> dict:
+    """:func:`qwen_npu_compile.check.harness.run_check` (imported at the first call: torch and the patterns)."""
+    from .check.harness import run_check as run
+
+    return run(args)
+
+
 def json_path_problem(path: Path) -> str | None:
     """Why ``check --json FILE`` could not be written at the end of the check, or None: an existing folder,
     or a parent folder in which no file can be created (:func:`qwen_npu_compile.config.dump_dir_problem`'s
     probe)."""
+    from .config import dump_dir_problem
+
     if path.is_dir():
         return "is a folder; name a file"
     problem = dump_dir_problem(path.parent)

@@ -11,8 +11,13 @@ graph once; :func:`build_report` turns the graphs into the report; :func:`print_
 **One graph, two files.** A graph is identified by its dump root and its name (``g<index>_<compile
 id>``, unique in its process); ``<root>/summary.json`` lists it and ``<root>/<name>/report.json`` holds
 it too. When both are there, ``report.json`` wins: :func:`qwen_npu_compile.dump.write_report` writes it
-first and the summary after, so it is never older. A ``report.json`` without a summary (a process
-stopped before its first summary write, or a summary overwritten by another process) is still read.
+first and the summary after, so it is never older. A ``report.json`` under a root without a readable summary
+(a process stopped before its first summary write) is still read.
+
+**Graphs of other runs.** Where a root's ``summary.json`` is readable, only the graphs it names are read: a
+``report.json`` it does not name belongs to another process (an earlier run whose graph folders were left in
+the same dump folder, or a second process writing there). Those are left out of every count, with one warning
+line per root naming them (and ``other_runs`` in the JSON's ``dumps``).
 
 **Call sites and recompiles.** The reports carry no per-layer attribution (that lives in memory,
 :func:`qwen_npu_compile.worker.layer_reports`), but the graph name encodes Dynamo's compile id
@@ -53,6 +58,10 @@ from pathlib import Path
 
 #: Version of the ``--json`` object (bumped when a key changes meaning; new keys do not bump it).
 FORMAT = 1
+
+#: The fusion families in pass order (:data:`qwen_npu_compile.config.ALL_FAMILIES`, spelled here: this module
+#: and ``qwen-npu-compile --help`` import no torch; tests/e2e/test_newcomer.py keeps the two equal).
+FAMILY_NAMES = ("rms_norm_gated", "rms_norm", "moe", "swiglu", "rotary", "attention")
 
 #: Files read under each folder.
 SUMMARY_FILE = "summary.json"
@@ -261,6 +270,7 @@ def read_dumps(folders: Sequence[str | os.PathLike]) -> Dumps:
     from_report: dict[tuple[Path, str], Graph] = {}
     from_summary: dict[tuple[Path, str], Graph] = {}
     summaries: dict[Path, dict] = {}
+    named: dict[Path, set[str]] = {}  # per root with a readable summary.json: the graphs it names
     files_read = 0
     done = 0
     for shown, path, files in per_folder:
@@ -300,6 +310,7 @@ def read_dumps(folders: Sequence[str | os.PathLike]) -> Dumps:
                 root_order.append(key_root)
             if file.name == SUMMARY_FILE:
                 summaries.setdefault(key_root, data)
+                named.setdefault(key_root, {name for name, _ in entries})
             target = from_summary if file.name == SUMMARY_FILE else from_report
             for name, graph in entries:
                 label = root_label[key_root]
@@ -315,6 +326,21 @@ def read_dumps(folders: Sequence[str | os.PathLike]) -> Dumps:
                 warnings,
             )
     _progress(done, total, final=True)
+
+    # A root's summary.json names the graphs of the process that wrote it; a report.json it does not name is
+    # another run's (an earlier run left in the same dump folder, or another process that shares it): said in
+    # one line per root, and not counted. Without a readable summary every report.json counts.
+    others: dict[Path, list[str]] = {}
+    for root, name in list(from_report):
+        if root in named and name not in named[root]:
+            others.setdefault(root, []).append(name)
+            del from_report[(root, name)]
+    for root, names in others.items():
+        names.sort(key=_natural)
+        shown_names = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        warnings.append(f"{root_label[root]}: {len(names)} graph folder(s) its {SUMMARY_FILE} does not name "
+                        f"({shown_names}): graphs of another run in the same dump folder, not counted (start each "
+                        f"run with an empty dump_dir)")
 
     merged = {**from_summary, **from_report}
     order = {root: i for i, root in enumerate(root_order)}
@@ -334,6 +360,7 @@ def read_dumps(folders: Sequence[str | os.PathLike]) -> Dumps:
             "rank": int(rank.group(1)) if rank else None,
             "summary": root in summaries,
             "graphs": sum(1 for (r, _) in merged if r == root),
+            "other_runs": len(others.get(root, [])),
             "simulated": summary.get("simulated", any(g.data.get("simulated") for (r, _), g in merged.items() if r == root)),
             "versions": summary.get("versions") if isinstance(summary.get("versions"), dict) else {},
         })
@@ -341,16 +368,14 @@ def read_dumps(folders: Sequence[str | os.PathLike]) -> Dumps:
 
 
 def _family_order(graphs: Iterable[Graph]) -> list[str]:
-    from .config import ALL_FAMILIES
-
     seen: list[str] = []
     for graph in graphs:
         for family in [*graph.families, *(graph.data.get("fusions") or {}), *(graph.data.get("already_fused") or {}),
                        *(refusal["family"] for refusal in graph.refusals())]:
             if family not in seen:
                 seen.append(family)
-    known = [family for family in ALL_FAMILIES if family in seen]
-    return known + sorted(family for family in seen if family not in ALL_FAMILIES)
+    known = [family for family in FAMILY_NAMES if family in seen]
+    return known + sorted(family for family in seen if family not in FAMILY_NAMES)
 
 
 def _counts(mapping: object) -> dict[str, int]:
@@ -366,7 +391,7 @@ def build_report(dumps: Dumps) -> dict:
         ``format`` (:data:`FORMAT`), ``exit_status`` (:func:`exit_status`), ``why`` (one line per reason
         for status 1), ``files_read``, ``warnings`` (files skipped), ``families`` (all families seen, in
         pass order), ``dumps`` (per dump root: ``dump``, ``rank``, ``summary``, ``graphs``, ``simulated``,
-        ``versions``), ``graphs`` (per graph: ``dump``, ``rank``, ``name``, ``compile_id``, ``frame``,
+        ``versions``, ``other_runs``: graph folders its summary.json does not name, not counted), ``graphs`` (per graph: ``dump``, ``rank``, ``name``, ``compile_id``, ``frame``,
         ``frame_compile``, ``compiled_autograd``, ``downstream``, ``families`` (enabled), ``fusions``,
         ``already_fused``, ``anchors``, ``missed`` (per enabled family, its refusals), ``refused``
         (count, all families), ``ge_failures`` (count), ``ge_graphs`` (count), ``fallback``,

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx
 
-from . import canonicalize, dump, emit
+from . import canonicalize, compat, dump, emit
 from .config import QwenNpuConfig
 from .fuse import FusionPasses, count_fused_in_captured, fuse
 from .fusion import CompileTarget
@@ -32,7 +32,26 @@ from .report import SUMMARY, FusionError, GraphReport, new_graph_name
 
 log = logging.getLogger("qwen_npu_compile")
 
+# torch.compile(backend="qwen_npu") imports this module before Dynamo traces a frame: the tracing fixes are
+# in place even where the package was imported before torch (its public names then load lazily).
+compat.install_tracing_fixes()
+
 _DUMP_HINT = "set QWEN_NPU_DUMP_DIR=<dir> (or options={'dump_dir': ...}) and read <dir>/summary.json for the reasons"
+
+
+def refusal_reasons(refused, families, limit: int = 3) -> str:
+    """The refusals of ``families`` as one line: each distinct (family, reason, source line) once, with its
+    count, the first ``limit`` of them (strict mode lists the same reasons, one per line)."""
+    groups: dict[tuple[str, str, str], int] = {}
+    for refusal in refused:
+        if refusal.family in families:
+            key = (refusal.family, refusal.reason, refusal.source)
+            groups[key] = groups.get(key, 0) + 1
+    parts = [f"{family}: {reason} (at {source}{f', {n} times' if n > 1 else ''})"
+             for (family, reason, source), n in list(groups.items())[:limit]]
+    if len(groups) > limit:
+        parts.append(f"{len(groups) - limit} more reason(s)")
+    return "; ".join(parts)
 
 
 def qwen_npu_backend(
@@ -238,9 +257,13 @@ def publish(report: GraphReport, config: QwenNpuConfig) -> None:
         log.info(report.log_line())
         missed = [f for f in report.families if report.fusions.get(f, 0) == 0 and report.anchors.get(f, 0) > 0]
         if missed:
+            reasons = refusal_reasons(report.refused, missed)
+            where = (f"all in {report.dump_path}" if report.dump_path
+                     else "QWEN_NPU_DUMP_DIR=<dir> keeps the graphs" if reasons else _DUMP_HINT)
             log.warning(
-                "qwen_npu %s: enabled famil%s %s found %s anchor op(s) but fused nothing; %s",
-                report.name, "y" if len(missed) == 1 else "ies", missed, [report.anchors[f] for f in missed], _DUMP_HINT,
+                "qwen_npu %s: enabled famil%s %s found %s anchor op(s) but fused nothing%s (%s)",
+                report.name, "y" if len(missed) == 1 else "ies", missed, [report.anchors[f] for f in missed],
+                f": {reasons}" if reasons else "", where,
             )
     except Exception as exc:  # noqa: BLE001 - reporting must never stop the user's training
         if config.strict:

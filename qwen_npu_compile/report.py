@@ -99,7 +99,14 @@ class GraphReport:
     def log_line(self) -> str:
         fused = ", ".join(f"{family} {self.fusions.get(family, 0)}" for family in self.families) or "no family enabled"
         extra = f"; already fused: {self.already_fused}" if any(self.already_fused.values()) else ""
-        refused = f"; {len(self.refused)} refused (see dump)" if self.refused else ""
+        enabled = [r for r in self.refused if r.family in self.families]
+        refused = ""
+        if enabled:
+            first = enabled[0]
+            refused = f"; {len(enabled)} refused (first: {first.family}: {first.reason} at {first.source})"
+        disabled = Counter(r.family for r in self.refused if r.family not in self.families)
+        if disabled:
+            refused += "; left to disabled families: " + ", ".join(f"{family} {n}" for family, n in disabled.items())
         if self.ge is not None and self.ge.failures:
             refused += f"; {len(self.ge.failures)} node(s) failed GE conversion"
         if self.fallback:

@@ -25,7 +25,11 @@ Three situations are handled outside the compiled ``__call__`` of a layer:
   checkpointed, the layer's ``forward``, runs compiled (the same fusions; recomputation reruns it).
 * **A KV cache** passed to the layer (``use_cache=True`` / generation): the cache's per-layer state
   would make Dynamo recompile once per layer until its recompile limit; such calls run eagerly (one
-  warning per process). Training forwards pass ``use_cache=False`` (verl does).
+  warning per process). Training forwards pass ``use_cache=False`` (verl does). A training forward that
+  does not (train mode, grad enabled: a model from ``from_pretrained`` / ``from_config`` keeps
+  ``use_cache=True`` in its config) is given an *empty* cache, which changes nothing it computes: such
+  calls run compiled without the cache (one warning per process; the returned ``past_key_values`` stay
+  empty). Generation runs under ``no_grad`` and keeps its cache.
 * **FSDP1 with** ``use_orig_params=False``: the layer's parameters become one ``FlatParameter``, which
   a compiled layer cannot use (Dynamo breaks the layer's graph apart; nothing fuses). :func:`maybe_compile`
   refuses such a model when called after wrapping, and a layer compiled before wrapping refuses at
@@ -356,6 +360,54 @@ def _passes_cache(kwargs: dict) -> bool:
     return any(kwargs.get(key) is not None for key in _CACHE_KWARGS)
 
 
+_said_cache_dropped = False
+
+
+def _cache_is_empty(cache) -> bool:
+    """Whether ``cache`` holds nothing yet: no attention tokens (``get_seq_length() == 0``) and no linear-attention
+    (Gated DeltaNet) state. Anything this cannot read counts as not empty."""
+    try:
+        if cache.get_seq_length() != 0:
+            return False
+        for layer in getattr(cache, "layers", ()) or ():  # transformers 5.x: one object per layer
+            state = getattr(layer, "has_previous_state", None)
+            if state is True or (isinstance(state, dict) and any(state.values())):
+                return False
+        return getattr(cache, "has_previous_state", False) is not True  # transformers 4.57's hybrid caches
+    except Exception:  # noqa: BLE001 - a cache of another kind: keep it
+        return False
+
+
+def _training_with_an_unused_cache(layer: nn.Module, kwargs: dict) -> bool:
+    """A training forward (layer in train mode, grad enabled) given an *empty* KV cache: what a model from
+    ``from_pretrained`` / ``from_config`` does in a plain training loop, its config keeping ``use_cache=True``.
+
+    Such a call computes exactly what it computes without the cache (an empty cache only collects this call's
+    keys and values), so it runs compiled without it. Generation (``generate`` runs under ``no_grad``) and a
+    cache that already holds tokens keep the cache and run eagerly.
+    """
+    if not (layer.training and torch.is_grad_enabled()):
+        return False
+    caches = [kwargs[key] for key in _CACHE_KWARGS if kwargs.get(key) is not None]
+    return all(_cache_is_empty(cache) for cache in caches)
+
+
+def _without_cache(kwargs: dict, class_name: str) -> dict:
+    """``kwargs`` with the cache off (cache keywords None, ``use_cache=False``), as verl's calls are; said once."""
+    global _said_cache_dropped
+    if not _said_cache_dropped:
+        _said_cache_dropped = True
+        log.warning(
+            "qwen_npu: %s layers in train mode were given an empty KV cache (the model config's use_cache=True): "
+            "they run compiled without it, so the returned past_key_values stay empty; pass use_cache=False (or set "
+            "model.config.use_cache = False) for training to silence this", class_name,
+        )
+    kwargs = {key: (None if key in _CACHE_KWARGS else value) for key, value in kwargs.items()}
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    return kwargs
+
+
 def _checkpointing(layer: nn.Module) -> bool:
     # transformers' GradientCheckpointingLayer checkpoints under exactly this condition.
     return bool(
@@ -409,7 +461,9 @@ class _CompiledLayerCall:
             # verl's all-to-all
             with packed_layer_call(args, kwargs):
                 if _passes_cache(kwargs):
-                    return self._run_with_cache(args, kwargs)
+                    if not _training_with_an_unused_cache(self.layer, kwargs):
+                        return self._run_with_cache(args, kwargs)
+                    kwargs = _without_cache(kwargs, type(self.layer).__name__)
                 out = self._route(args, kwargs)
         finally:
             _RUNNING_LAYER.reset(token)
@@ -520,10 +574,14 @@ def maybe_compile(
     ``RuntimeError`` instead.
     """
     if not compile_requested(environ):
-        log.debug("qwen_npu: %s is not set to 1; model left uncompiled", ENV_COMPILE)
+        value = (os.environ if environ is None else environ).get(ENV_COMPILE)
+        log.info("qwen_npu: maybe_compile left %s uncompiled: %s is %s; set %s=1 to compile its decoder layers "
+                 "with the qwen_npu backend", type(model).__name__, ENV_COMPILE,
+                 "unset" if value is None else repr(value), ENV_COMPILE)
         return CompiledLayers()
     config = QwenNpuConfig.from_options(options)  # validate now, not at the first forward
     compat.transformers_version_probes_constant()  # transformers is imported by now (the model is built)
+    compat.install_tracing_fixes()  # where the package was imported before torch (its names load lazily)
     flat = _fsdp1_without_orig_params(model)
     if flat:
         raise ValueError(_fsdp1_message(f"the model (FSDP1 unit(s) {flat[:3]}{'...' if len(flat) > 3 else ''})"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import math
 import time
 
 import torch
@@ -17,7 +18,7 @@ from ..config import ALL_FAMILIES, QwenNpuConfig
 from .. import patterns
 from ..patterns import expected_fusions  # noqa: F401  (the harness's public name)
 from ..torch_compiler import torch_compile
-from . import models, parity
+from . import model_folder, models, parity
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -62,7 +63,8 @@ def padding_labels(input_ids, attention_mask):
     return input_ids.masked_fill(~(rows & previous), -100)
 
 
-def run_model(model, runner, input_ids, train: bool, attention_mask=None, labels=None, **kwargs):
+def run_model(model, runner, input_ids, train: bool, attention_mask=None, labels=None, *, losses: list | None = None,
+              **kwargs):
     """Run ``runner`` (``model`` or its compiled wrapper): forward, and backward of the LM loss when ``train``.
 
     Args:
@@ -73,6 +75,7 @@ def run_model(model, runner, input_ids, train: bool, attention_mask=None, labels
         attention_mask: ``[B, S]``, 0 = padding, or None. With a mask only the logits of real tokens are
             returned: padded query rows are fully masked, where kernels legitimately differ (HF's eager
             softmax averages V there, SDPA gives 0 or NaN), and real tokens never read them.
+        losses: when given, the loss (a float; train) is appended to it.
         kwargs: more model inputs (``position_ids``, ...); ``use_cache`` defaults to False.
 
     Returns:
@@ -83,10 +86,15 @@ def run_model(model, runner, input_ids, train: bool, attention_mask=None, labels
     kwargs.setdefault("use_cache", False)
     if train and labels is None:
         labels = padding_labels(input_ids, attention_mask)
+    if train and not bool((labels[:, 1:] != -100).any()):
+        raise ValueError(f"--left-padding {args.left_padding} leaves no token with a target in any row (--seq-len "
+                         f"{args.seq_len}, --batch {args.batch}): the LM loss is undefined; pad less or add tokens")
     model.zero_grad(set_to_none=True)
     with torch.set_grad_enabled(train):
         out = runner(input_ids=input_ids, attention_mask=attention_mask, labels=labels if train else None, **kwargs)
         if train:
+            if losses is not None:
+                losses.append(float(out.loss.detach()))
             out.loss.backward()
     logits = out.logits.detach().float()
     if attention_mask is not None:
@@ -104,6 +112,23 @@ def fp32_reference(model, input_ids, train: bool, attention_mask=None, labels=No
     """:func:`run_model` of an fp32 copy of ``model`` (the yardstick of half-precision parity)."""
     fp32_model = copy.deepcopy(model).float()
     return run_model(fp32_model, fp32_model, input_ids, train, attention_mask, labels, **kwargs)
+
+
+def refuse_non_finite(run, losses: list, what: str) -> None:
+    """Refuse to judge parity against a yardstick run (``(logits, grads)`` of :func:`run_model`; ``losses``: the
+    losses run_model appended, the last one is this run's) whose loss or logits are NaN or infinite: every
+    comparison with it would pass or fail for no reason.
+
+    Raises:
+        ValueError: one line naming the run and what is not finite (``check`` exits 2).
+    """
+    if losses and not math.isfinite(losses[-1]):
+        raise ValueError(f"the {what} loss is {losses[-1]}: nothing to check parity against (the model's weights or "
+                         "the inputs give a non-finite loss)")
+    logits = run[0]
+    if not bool(torch.isfinite(logits).all()):
+        raise ValueError(f"the {what} logits hold {int((~torch.isfinite(logits)).sum())} NaN or infinite value(s): "
+                         "nothing to check parity against (the model's weights give non-finite outputs)")
 
 
 def run_check(args: argparse.Namespace) -> dict:
@@ -145,7 +170,11 @@ def run_check(args: argparse.Namespace) -> dict:
         if missing is not None:
             raise TorchairUnavailableError(missing)
     fusions = backend_config.fusions
-    config = models.resolve_model_config(args.model)
+    if train and args.seq_len < 2:
+        raise ValueError(f"--mode train needs --seq-len >= 2, got {args.seq_len}: the LM loss predicts each token from "
+                         "the ones before it, so 1 token leaves no target (use --mode infer for a forward-only check)")
+    config = model_folder.resolve_config(args.model)  # a broken folder: one line, exit 2
+    model_folder.check_weights(args.model)
     vocab_size = getattr(args, "vocab_size", None)
     if vocab_size is not None:
         config = models.with_vocab_size(config, vocab_size)
@@ -169,8 +198,9 @@ def run_check(args: argparse.Namespace) -> dict:
         torchair_seconds["torchair_import"] = offline.import_seconds
         stages.end(f"torch_npu {offline.torch_npu_version}, wheel {offline.sources.wheel.name}")
     stages.begin(f"building {args.model}: {layers} layers, {args.dtype}, attn={args.attn}, mode={args.mode}")
-    model, info = models.build_model(args.model, layers=layers, dtype=torch.float32 if autocast else dtype, attn=args.attn,
-                                     vocab_size=vocab_size)
+    with model_folder.building(args.model):
+        model, info = models.build_model(args.model, layers=layers, dtype=torch.float32 if autocast else dtype,
+                                         attn=args.attn, vocab_size=vocab_size)
     model.train(train)
     if checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.2x: the old name is deprecated
@@ -184,19 +214,26 @@ def run_check(args: argparse.Namespace) -> dict:
     input_ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len), generator=generator)
     attention_mask = left_padding_mask(input_ids, args.left_padding)
     labels = padding_labels(input_ids, attention_mask)
+    if train and not bool((labels[:, 1:] != -100).any()):
+        raise ValueError(f"--left-padding {args.left_padding} leaves no token with a target in any row (--seq-len "
+                         f"{args.seq_len}, --batch {args.batch}): the LM loss is undefined; pad less or add tokens")
 
     # The fp32 reference runs first: its fp32 copy of the model is freed before the eager run, so the
     # peak holds one fp32 model, not an fp32 model beside the eager run's gradients (models.memory_plan).
     reference = None
+    losses: list = []  # the yardstick's loss (train): a NaN or inf one leaves nothing to compare against
     if half:
         stages.begin("fp32 reference run of the same weights (the yardstick for half-precision parity)")
-        reference = fp32_reference(model, input_ids, train, attention_mask, labels)
+        reference = fp32_reference(model, input_ids, train, attention_mask, labels, losses=losses)
         stages.end()
+        refuse_non_finite(reference, losses, "fp32 reference")
 
     stages.begin(f"eager {'forward + backward' if train else 'forward'}")
     with amp():
-        eager = run_model(model, model, input_ids, train, attention_mask, labels)
+        eager = run_model(model, model, input_ids, train, attention_mask, labels, losses=losses)
     stages.end()
+    if not half:
+        refuse_non_finite(eager, losses, "eager")
 
     first_report = len(get_reports())
     if args.dynamic:

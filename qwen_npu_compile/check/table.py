@@ -41,15 +41,27 @@ def print_table(result: dict) -> None:
     secs = result["seconds"]
     print(f"  compile + first run {secs['first_compiled_run']:.1f}s (qwen_npu canonicalize "
           f"{secs['qwen_npu_canonicalize']:.2f}s, fuse {secs['qwen_npu_fuse']:.2f}s); steady run {secs['steady_compiled_run']:.2f}s")
-    for refusal in result["refused"][:10]:
-        print(f"  refused {refusal['family']} at {refusal['source']}: {refusal['reason']}")
-    if len(result["refused"]) > 10:
-        print(f"  ... {len(result['refused']) - 10} more refusals (all in --json / --dump-dir)")
+    groups = refusal_groups(result["refused"])
+    for (family, source, reason), count in list(groups.items())[:10]:
+        print(f"  refused {family} at {source}: {reason}{f' ({count} times)' if count > 1 else ''}")
+    if len(groups) > 10:
+        rest = sum(list(groups.values())[10:])
+        print(f"  ... {rest} more refusals at {len(groups) - 10} other places (all in --json / --dump-dir)")
     if "ge" in result:
         print_ge(result["ge"])
     for problem in result["problems"]:
         print(f"  problem: {problem}")
     print(f"verdict: {result['verdict']}")
+
+
+def refusal_groups(refused: list[dict]) -> dict[tuple[str, str, str], int]:
+    """``(family, source, reason)`` -> how many refusals say exactly that, in first-seen order (a disabled
+    family's anchor repeats once per layer with the same source line and reason)."""
+    groups: dict[tuple[str, str, str], int] = {}
+    for refusal in refused:
+        key = (refusal["family"], refusal["source"], refusal["reason"])
+        groups[key] = groups.get(key, 0) + 1
+    return groups
 
 
 #: GE op types of the fused kernels, printed with the GE conversion line (torch_npu 2.13.0 torchair

@@ -543,7 +543,9 @@ def maybe_compile(
     """Compile each decoder layer of ``model`` in place with the ``qwen_npu`` backend, if asked to.
 
     Asked to means ``QWEN_NPU_COMPILE`` is ``1``/``true``/``yes``/``on``; when it is unset or
-    ``0``/``false``/``no``/``off`` (or empty) nothing is touched. Each layer gets what
+    ``0``/``false``/``no``/``off`` (or empty) nothing is touched (one INFO line says so, and how to switch it
+    on). A training forward whose config keeps ``use_cache=True`` runs compiled without its empty cache (module
+    docstring; one warning). Each layer gets what
     ``layer.compile(backend=qwen_npu, options=options)`` would give it, compiled by torch's own
     ``torch.compile`` even where MindSpeed replaced ``torch.compile`` with its ``dummy_compile``
     (:func:`qwen_npu_compile.torch_compiler.original_torch_compile`; one INFO line names the replacement):

@@ -97,7 +97,10 @@ class GraphReport:
         return data
 
     def log_line(self) -> str:
-        fused = ", ".join(f"{family} {self.fusions.get(family, 0)}" for family in self.families) or "no family enabled"
+        # the enabled families this graph holds anything of (a fusion, or an anchor op that could have fused)
+        shown = [f for f in self.families if self.fusions.get(f, 0) or self.anchors.get(f, 0)]
+        fused = (", ".join(f"{family} {self.fusions.get(family, 0)}" for family in shown)
+                 or ("nothing (no anchor op of an enabled family)" if self.families else "no family enabled"))
         extra = f"; already fused: {self.already_fused}" if any(self.already_fused.values()) else ""
         enabled = [r for r in self.refused if r.family in self.families]
         refused = ""

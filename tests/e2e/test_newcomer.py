@@ -291,6 +291,17 @@ def test_a_refused_family_warning_names_the_reason(caplog, monkeypatch):
     assert "swiglu" not in warnings[0] and "read <dir>/summary.json" not in warnings[0]
 
 
+def test_the_graph_line_names_what_the_graph_holds():
+    from qwen_npu_compile.report import GraphReport
+
+    families = ["rms_norm_gated", "rms_norm", "moe", "swiglu", "rotary", "attention"]
+    report = GraphReport(name="g000_0_0", simulated=True, downstream="aot_eager", families=families,
+                         fusions={**dict.fromkeys(families, 0), "rms_norm": 5, "swiglu": 2},
+                         anchors={"rms_norm": 5, "swiglu": 2, "rotary": 1})
+    assert report.log_line() == ("qwen_npu [simulated npu ops] g000_0_0: fused rms_norm 5, swiglu 2, rotary 0; "
+                                 "downstream aot_eager")
+
+
 def test_the_graph_line_tells_refusals_from_disabled_families():
     line = _report([("swiglu", "family 'swiglu' is disabled")] * 2 + [("rotary", "family 'rotary' is disabled")],
                    anchors=0).log_line()

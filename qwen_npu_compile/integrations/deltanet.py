@@ -73,6 +73,8 @@ _MODULE_ATTRIBUTES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "con
 _enabled = True
 #: What :func:`install` put in place, by key (``"<module>.<function>"``).
 _installed: dict[str, str] = {}
+#: verl 0.9.1 passes ``cu_seqlens`` to transformers' torch delta rule, which ignores it (set by :func:`_install_verl`).
+_verl_offsets_ignored = False
 #: Refusals already logged.
 _refused: set[str] = set()
 
@@ -207,7 +209,10 @@ def _traced_packed_forward(self, hidden_states, attention_mask, cu_seqlens):
     if self.num_v_heads // self.num_k_heads > 1:
         query = query.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
         key = key.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
-    out, _ = torch.ops.qwen_npu.chunk_gated_delta_rule(query, key, value, g, beta, cu_seqlens, None,
+    # verl hands cu_seqlens to a delta rule whose signature takes it (**kwargs counts); transformers' torch reference
+    # then ignores it and runs the row as one sequence. Keep exactly that (see _install_verl); split otherwise.
+    offsets = None if _verl_offsets_ignored else cu_seqlens
+    out, _ = torch.ops.qwen_npu.chunk_gated_delta_rule(query, key, value, g, beta, offsets, None,
                                                        self.head_k_dim ** -0.5, True)
     out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
     return self.out_proj(out.reshape(batch, tokens, -1))
@@ -257,6 +262,16 @@ def _install_verl() -> str | None:
         return _installed.get(key)
     if cls.forward is not original:  # verl's monkey patch not applied (yet): nothing to take over
         return None
+    global _verl_offsets_ignored
+    accepts = getattr(verl_module, "_call_accepts_kwarg", None)
+    reference = getattr(hf_module, "torch_chunk_gated_delta_rule", None)
+    _verl_offsets_ignored = bool(accepts and reference and accepts(reference, "cu_seqlens"))
+    if _verl_offsets_ignored:
+        log.warning("qwen_npu: %s: verl's packed Qwen3.5 forward hands cu_seqlens to transformers' torch "
+                    "torch_chunk_gated_delta_rule (its **kwargs pass verl's _call_accepts_kwarg), which ignores it: the "
+                    "sequences packed in one row share the DeltaNet's recurrent state (the causal conv does restart "
+                    "per sequence). Compiled runs keep that behaviour, to match the unset run; FLA's kernel honours "
+                    "the offsets", _versions())
     cls.forward = _verl_forward_takeover(original)
     _installed[key] = f"verl {VERL_FORWARD} (packed rows) -> {op_module.NAME} with tensor cu_seqlens"
     return _installed[key]

@@ -19,6 +19,7 @@ from typing import Any
 from qwen_npu_compile.fusion import FamilyPass, FusionFamily
 
 from .attention import AttentionFamily
+from .gated_delta_rule import GatedDeltaRuleFamily
 from .moe import MoeFamily
 from .rms_norm import RmsNormFamily
 from .rms_norm_gated import RmsNormGatedFamily
@@ -27,7 +28,7 @@ from .swiglu import SwiGluFamily
 
 #: Every fusion family, in pass order (a family may rewrite what a later one matches).
 FAMILIES: dict[str, type[FusionFamily]] = {
-    family.name: family for family in (RmsNormGatedFamily, RmsNormFamily, MoeFamily, SwiGluFamily, RotaryFamily, AttentionFamily)
+    family.name: family for family in (GatedDeltaRuleFamily, RmsNormGatedFamily, RmsNormFamily, MoeFamily, SwiGluFamily, RotaryFamily, AttentionFamily)
 }
 
 

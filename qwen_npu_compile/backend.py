@@ -27,6 +27,7 @@ from .config import QwenNpuConfig
 from .fuse import FusionPasses, count_fused_in_captured, fuse
 from .fusion import CompileTarget
 from .handoff import check_offline_mode, hand_off
+from .integrations import deltanet
 from .npu_ops import NpuOpsStatus, ensure_npu_ops
 from .report import SUMMARY, FusionError, GraphReport, new_graph_name
 
@@ -37,6 +38,11 @@ log = logging.getLogger("qwen_npu_compile")
 compat.install_tracing_fixes()
 
 _DUMP_HINT = "set QWEN_NPU_DUMP_DIR=<dir> (or options={'dump_dir': ...}) and read <dir>/summary.json for the reasons"
+
+
+# The backend is imported when torch.compile looks "qwen_npu" up, before Dynamo traces: the Gated DeltaNet
+# substitutions of the modeling modules imported by then are in place for the first frame.
+deltanet.install(enabled=QwenNpuConfig.from_options(None, dump_dir_errors="defer").fusions >= {"gated_delta_rule"})
 
 
 def refusal_reasons(refused, families, limit: int = 3) -> str:
@@ -88,6 +94,7 @@ def qwen_npu_backend(
     # A dump folder that cannot be written must not stop training: dumping turns itself off with one
     # warning at the first failing write (dump.py); `check` and maybe_compile refuse it up front.
     config = QwenNpuConfig.from_options(options, dump_dir_errors="defer")
+    deltanet.install(enabled="gated_delta_rule" in config.fusions)  # for the frames Dynamo traces next
     status = ensure_npu_ops()
     downstream = resolve_downstream(config, status)
     report, rewritten = rewrite(gm, example_inputs, config, status, downstream)

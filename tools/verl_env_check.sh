@@ -9,7 +9,8 @@
 #    pytest, and this project (--no-deps, editable: the qwen_npu backend is registered by entry point);
 # 3. runs tests/e2e/test_verl_hook.py (its `-m verl` part drives verl's own FSDP engine on the CPU),
 #    tests/e2e/test_trainer.py (accelerate comes with verl) and tests/e2e/test_verl_moe_patch.py (verl's real
-#    npu_patch Qwen3-MoE block compiled with qwen_npu);
+#    npu_patch Qwen3-MoE block compiled with qwen_npu) and tests/e2e/test_verl_qwen3_5.py (verl's packed Qwen3.5
+#    forward, per-layer compiled: one graph per layer kind, the Gated DeltaNet as one op);
 # 4. prints how long the install and the tests took.
 #
 # Environment: PYTHON (default python3.11, else python3), VERL_ENV_KEEP=1 keeps the venv and prints its path.
@@ -41,7 +42,8 @@ print(f"verl_env_check: verl {verl.__version__}, torch {torch.__version__}, tran
       f"accelerate {accelerate.__version__}")' 2>&1 | grep '^verl_env_check' || { echo "verl_env_check: preflight import failed"; exit 1; }
 
 set +e
-(cd "$repo" && "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider tests/e2e/test_verl_hook.py tests/e2e/test_trainer.py tests/e2e/test_verl_moe_patch.py)
+(cd "$repo" && "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider tests/e2e/test_verl_hook.py tests/e2e/test_trainer.py tests/e2e/test_verl_moe_patch.py \
+    tests/e2e/test_verl_qwen3_5.py)
 status=$?
 set -e
 echo "verl_env_check: tests took $(( $(date +%s) - installed ))s (pytest exit $status)"

@@ -120,10 +120,12 @@ def _linear_attention_layers(config) -> bool:
 
 
 def _full_attention_only(config) -> bool:
-    """Every layer is full (causal) attention: no sliding window in use (Qwen2 ``use_sliding_window``,
-    Mistral ``sliding_window``, ``layer_types`` with ``sliding_attention``)."""
+    """Every attention layer is full (causal) attention: no sliding window in use (Qwen2 ``use_sliding_window``,
+    Mistral ``sliding_window``, ``layer_types`` with ``sliding_attention``). Gated DeltaNet layers
+    (``linear_attention``: Qwen3.5 / Qwen3-Next) have no attention to take over; their packed rows are
+    :mod:`.deltanet`'s."""
     layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+    if layer_types is not None and any(t not in ("full_attention", "linear_attention") for t in layer_types):
         return False
     if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
         return False
@@ -173,8 +175,6 @@ def packing_refusal(module: nn.Module, kwargs: dict) -> str | None:
         return f"position_ids {shape} is not one packed row (1, T)"
     if position_ids.dtype.is_floating_point:
         return f"position_ids dtype {position_ids.dtype}"
-    if _linear_attention_layers(config):
-        return "the model has Gated DeltaNet (linear_attention) layers (Qwen3.5 / Qwen3-Next)"
     if not _full_attention_only(config):
         return "the model uses sliding-window attention"
     if getattr(config, "attention_dropout", 0.0) and module.training:
@@ -522,6 +522,9 @@ def packed_layer_call(args: tuple, kwargs: dict):
     if SEQ_ENDS_KWARG not in kwargs:
         return contextlib.nullcontext()
     mark_tokens_dynamic(args, kwargs)
+    for name in ("cu_seqlens", "cu_seqlens_cpu"):  # verl's own offsets (its packed Qwen3.5 forward): no recompile per packing
+        if isinstance(kwargs.get(name), torch.Tensor):
+            _mark_unbacked(kwargs[name], 0)
     return ulysses_tracing(kwargs)
 
 
@@ -566,10 +569,10 @@ def install(model: nn.Module) -> list[str]:
         return []
     implementation = _attn_implementation(getattr(base, "config", None))
     if _linear_attention_layers(getattr(base, "config", None)):
-        log.info("qwen_npu: %s has Gated DeltaNet (linear_attention) layers: packed micro-batches keep "
-                 "transformers' path per layer (the full-attention layers fuse attention with the explicit mask; "
-                 "verl's packed DeltaNet forward is issue 26)", type(base).__name__)
-        return []
+        from . import deltanet  # the DeltaNet layers: verl's packed forward with tensor offsets
+
+        for line in deltanet.install():
+            log.info("qwen_npu: Gated DeltaNet: %s", line)
     if implementation not in RULES:
         log.info("qwen_npu: attn_implementation %r: packed micro-batches keep transformers' path", implementation)
         return []

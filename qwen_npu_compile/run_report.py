@@ -61,7 +61,7 @@ FORMAT = 1
 
 #: The fusion families in pass order (:data:`qwen_npu_compile.config.ALL_FAMILIES`, spelled here: this module
 #: and ``qwen-npu-compile --help`` import no torch; tests/e2e/test_newcomer.py keeps the two equal).
-FAMILY_NAMES = ("rms_norm_gated", "rms_norm", "moe", "swiglu", "rotary", "attention")
+FAMILY_NAMES = ("gated_delta_rule", "rms_norm_gated", "rms_norm", "moe", "swiglu", "rotary", "attention")
 
 #: Files read under each folder.
 SUMMARY_FILE = "summary.json"

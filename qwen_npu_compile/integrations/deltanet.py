@@ -286,6 +286,39 @@ def check_module(module: torch.nn.Module) -> str | None:
 # --------------------------------------------------------------------------------------------------
 
 
+class _InstallAfterImport:
+    """A ``sys.meta_path`` entry that runs :func:`install` right after one of :data:`TRANSFORMERS_MODULES` is
+    imported (a model built after ``qwen_npu_compile`` was imported still gets its substitution before Dynamo
+    traces it). It finds nothing itself: it wraps the loader the other finders return."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in TRANSFORMERS_MODULES:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                loader = spec.loader
+
+                class _Loader:
+                    def create_module(self, spec):
+                        return loader.create_module(spec)
+
+                    def exec_module(self, module):
+                        loader.exec_module(module)
+                        install(_enabled)
+
+                spec.loader = _Loader()
+                return spec
+        return None
+
+
+def _watch_imports() -> None:
+    if not any(isinstance(finder, _InstallAfterImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _InstallAfterImport())
+
+
 def install(enabled: bool = True) -> list[str]:
     """Install the substitutions for the modules imported so far (idempotent; see the module docstring).
 
@@ -298,6 +331,7 @@ def install(enabled: bool = True) -> list[str]:
     """
     global _enabled
     _enabled = enabled
+    _watch_imports()
     done = []
     for name in TRANSFORMERS_MODULES:
         try:

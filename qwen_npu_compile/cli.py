@@ -23,6 +23,7 @@ import logging
 import sys
 from pathlib import Path
 
+from .check.presets import PRESETS  # data only: no torch
 from .run_report import FAMILY_NAMES  # no torch
 
 # No torch, transformers or pattern import at module level: ``--help``, argument errors and ``report`` need
@@ -51,15 +52,20 @@ def positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qwen-npu-compile",
-        description="Fuse Qwen2/Qwen2.5 subgraphs into Ascend NPU ops with torch.compile(backend='qwen_npu').",
+        description="Fuse Qwen-family subgraphs (RMSNorm, SwiGLU, RoPE, attention, MoE experts, gated RMSNorm) into "
+                    "Ascend NPU ops with torch.compile(backend='qwen_npu'); without an NPU, simulated ops on the CPU.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser(
         "check",
         help="compile a model and check fusion counts and parity against eager",
-        description="Build MODEL, run eager and qwen_npu-compiled forward (and backward), compare, print a verdict.",
+        description="Build MODEL, run eager and qwen_npu-compiled forward (and backward), compare, print a verdict. "
+                    "Exit status 0: every expected fusion happened and parity holds; 1: a fusion or parity failed; 2: bad "
+                    "arguments or input (a broken model folder, a check that cannot be judged, not enough memory).",
     )
-    check.add_argument("model", metavar="MODEL", help="a preset name (e.g. qwen2.5-0.5b) or a local HF model directory")
+    check.add_argument("model", metavar="MODEL",
+                       help=f"a preset ({', '.join(sorted(PRESETS))}; case-insensitive) or a local Hugging Face model "
+                            "folder (config.json; its weights are loaded when present, else random ones)")
     check.add_argument("--layers", type=positive_int, default=None, help="decoder layers to build (default: all)")
     check.add_argument("--batch", type=positive_int, default=1, help="batch size (default 1)")
     check.add_argument("--seq-len", type=positive_int, default=64, help="tokens per sequence (default 64)")

@@ -107,12 +107,22 @@ def test_help_argument_errors_and_report_import_no_torch(argv, tmp_path):
     assert last.startswith("HEAVY [] STATUS"), (last, done.stderr[-2000:])
 
 
+def test_check_help_lists_every_preset(capsys):
+    from qwen_npu_compile.check.models import preset_names
+
+    with pytest.raises(SystemExit):
+        cli.main(["check", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name in preset_names():  # the MoE and Qwen3.5 presets too
+        assert name in text, name
+
+
 def test_cli_spells_the_names_of_their_sources():
     from qwen_npu_compile.check.harness import DTYPES
     from qwen_npu_compile.config import ALL_FAMILIES, DOWNSTREAMS
 
     assert cli.DTYPE_NAMES == tuple(sorted(DTYPES))
-    assert cli.FAMILY_NAMES == ALL_FAMILIES, "update qwen_npu_compile.cli.FAMILY_NAMES (--fusions' help)"
+    assert cli.FAMILY_NAMES == ALL_FAMILIES, "update qwen_npu_compile.run_report.FAMILY_NAMES (--fusions' help)"
     assert cli.DOWNSTREAM_NAMES == DOWNSTREAMS
 
 

@@ -479,6 +479,23 @@ _GMM_SHORT = {"aten._grouped_mm": "_grouped_mm", "grouped_mm_fallback": "grouped
               "qwen_npu.grouped_matmul": "qwen_npu.grouped_matmul", "npu_grouped_matmul": "npu_grouped_matmul"}
 
 
+def _layer_traffic_cells(row: dict) -> str:
+    """The "kernels fw / bw | non-matmul MiB fw + bw (read / written) | glue MiB" cells of a per-layer row
+    (the MoE and Qwen3.5 tables)."""
+    kinds = [k for k in ("forward", "backward") if k in row["kernels"]]
+    return (" / ".join(str(row["kernels"][k]) for k in kinds) + " | "
+            + " + ".join(f"{row['bytes'][k] / MIB:,.0f}" for k in kinds)
+            + f" ({row['bytes_read']['total'] / MIB:,.0f} / {row['bytes_written']['total'] / MIB:,.0f}) | "
+            f"{row['glue_bytes']['total'] / MIB:,.0f}")
+
+
+def _roofline_cell(row: dict) -> str:
+    """The "roofline ms (matmul + attention + rest)" cell of a per-layer row."""
+    by = row["roofline_ms_by_category"]
+    return (f"{row['roofline_ms']['total']:.2f} ({by['matmul']:.2f} + {by['attention']:.2f} + "
+            f"{by['fused'] + by['vector']:.2f})")
+
+
 def _grouped_mm_cell(counts: dict[str, int]) -> str:
     found = [f"{_GMM_SHORT[label]} {n}" for label, n in counts.items() if n]
     return ", ".join(found) or "0"
@@ -499,16 +516,11 @@ def moe_table(moe: dict) -> str:
         for mode, rows in m["modes"].items():
             for i, (variant, row) in enumerate(rows.items()):
                 kinds = [k for k in ("forward", "backward") if k in row["kernels"]]
-                by = row["roofline_ms_by_category"]
                 out.append(
-                    f"| {mode if i == 0 else ''} | {_MOE_LABELS.get(variant, variant)} | "
-                    + " / ".join(str(row["kernels"][k]) for k in kinds) + " | "
-                    + " + ".join(f"{row['bytes'][k] / MIB:,.0f}" for k in kinds)
-                    + f" ({row['bytes_read']['total'] / MIB:,.0f} / {row['bytes_written']['total'] / MIB:,.0f}) | "
-                    f"{row['glue_bytes']['total'] / MIB:,.0f} | {row['grad_layout_copies']['bytes'] / MIB:,.0f} | "
+                    f"| {mode if i == 0 else ''} | {_MOE_LABELS.get(variant, variant)} | {_layer_traffic_cells(row)} | "
+                    f"{row['grad_layout_copies']['bytes'] / MIB:,.0f} | "
                     f"{row['flops']['total'] / 1e12:.2f} ({row['grouped_mm_flops']['total'] / 1e12:.2f}) | "
-                    f"{row['est_ms']['total']:.2f} | {row['roofline_ms']['total']:.2f} ({by['matmul']:.2f} + "
-                    f"{by['attention']:.2f} + {by['fused'] + by['vector']:.2f}) | "
+                    f"{row['est_ms']['total']:.2f} | {_roofline_cell(row)} | "
                     f"{row['with_grad_layout_copies']['roofline_ms']:.2f} | "
                     + "; ".join(_grouped_mm_cell(row["grouped_mm"][k]) for k in kinds) + " |"
                 )
@@ -544,18 +556,12 @@ def qwen3_5_table(data: dict) -> str:
             for j, (mode, rows) in enumerate(entry["modes"].items()):
                 base = rows.get("qwen_npu", {}).get("roofline_ms", {}).get("total")
                 for i, (variant, row) in enumerate(rows.items()):
-                    kinds = [k for k in ("forward", "backward") if k in row["kernels"]]
-                    by = row["roofline_ms_by_category"]
                     ratio = f"{row['roofline_ms']['total'] / base:.2f}" if base else "–"
                     out.append(
                         f"| {_Q35_KINDS.get(kind, kind) if i == 0 and j == 0 else ''} | "
-                        f"{mode if i == 0 else ''} | {_Q35_LABELS.get(variant, variant)} | "
-                        + " / ".join(str(row["kernels"][k]) for k in kinds) + " | "
-                        + " + ".join(f"{row['bytes'][k] / MIB:,.0f}" for k in kinds)
-                        + f" ({row['bytes_read']['total'] / MIB:,.0f} / {row['bytes_written']['total'] / MIB:,.0f}) | "
-                        f"{row['glue_bytes']['total'] / MIB:,.0f} | {row['flops']['total'] / 1e12:.2f} | "
-                        f"{row['est_ms']['total']:.2f} | {row['roofline_ms']['total']:.2f} ({by['matmul']:.2f} + "
-                        f"{by['attention']:.2f} + {by['fused'] + by['vector']:.2f}) | {ratio} | "
+                        f"{mode if i == 0 else ''} | {_Q35_LABELS.get(variant, variant)} | {_layer_traffic_cells(row)} | "
+                        f"{row['flops']['total'] / 1e12:.2f} | {row['est_ms']['total']:.2f} | {_roofline_cell(row)} | "
+                        f"{ratio} | "
                         f"{_q35_fused_cell(row['fused_kernels']['forward'])} |"
                     )
     out += ["", "| DeltaNet layer, mode | variant | chunk bmm fw / bw: kernels, GFLOP | solve_triangular fw / bw: kernels, "

@@ -60,8 +60,6 @@ copies that torch_npu's op wrappers may make inside a call (verl's dx grouped ma
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import logging
 import sys
 import time
@@ -70,29 +68,16 @@ from pathlib import Path
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 
-from qwen_npu_compile import canonicalize, emit, ensure_npu_ops
 from qwen_npu_compile.check.models import resolve_model_config, with_layers
-from qwen_npu_compile.config import ALL_FAMILIES, QwenNpuConfig
-from qwen_npu_compile.fuse import fuse
+from qwen_npu_compile.config import ALL_FAMILIES
 
 from . import traffic
 from .common import MIB, run_metadata, write_json
-from .traffic import (
-    BANDWIDTH,
-    CATEGORIES,
-    GROUPED_MATMUL_OP_NAMES,
-    MODELLED_TARGET,
-    PEAK,
-    graph_counts,
-    has_negative,
-    subtract,
-    summarize,
-)
+from .traffic import BANDWIDTH, GROUPED_MATMUL_OP_NAMES, PEAK
 from .verl_moe_patch import SOURCES as VERL_MOE_SOURCES
 from .verl_moe_patch import verl_moe_patches
-from .verl_patch import FA2_SOURCES, npu_flash_attention_2
+from .verl_patch import FA2_SOURCES
 
 log = logging.getLogger(__name__)
 
@@ -113,24 +98,12 @@ GROUPED_MM_LABELS = {
 assert set(GROUPED_MM_LABELS.values()) == GROUPED_MATMUL_OP_NAMES
 
 
-@dataclasses.dataclass(frozen=True)
-class MoeVariant:
-    """One way of running Qwen3-MoE (module docstring).
-
-    Attributes:
-        name: key in the results.
-        families: the qwen_npu families whose passes run (empty: none).
-        verl: verl's Qwen3-MoE ``npu_patch`` (:func:`benchmarks.verl_moe_patch.verl_moe_patches`) and transformers'
-            NPU flash attention; Dynamo's graph then goes to AOTAutograd as it is (no canonicalization).
-        description: one line for the results.
-    """
-
-    name: str
-    families: tuple[str, ...]
-    verl: bool
-    description: str
+#: One way of running Qwen3-MoE (module docstring); ``verl``: verl's Qwen3-MoE ``npu_patch``
+#: (:func:`benchmarks.verl_moe_patch.verl_moe_patches`), whose graph goes to AOTAutograd as it is (no canonicalization).
+MoeVariant = traffic.LayerVariant
 
 
+#: One row per variant: data (the MoE and Qwen3.5 benchmarks' variant tables share their shape, not logic).
 MOE_VARIANTS = (
     MoeVariant("transformers", (), False,
                "transformers 5.24 default: experts_implementation='grouped_mm' (aten._grouped_mm, sort/histc/cumsum "
@@ -173,53 +146,9 @@ def build_moe_graphs(config, layers: int, variants: Sequence[MoeVariant], tokens
     Raises:
         ValueError: the variants disagree on ``verl``. RuntimeError: AOTAutograd did not hand over the graphs.
     """
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch import config as functorch_config
     from transformers.models.qwen3_moe import modeling_qwen3_moe
 
-    if len({v.verl for v in variants}) != 1:
-        raise ValueError("variants sharing one capture must agree on verl's patches")
-    ensure_npu_ops()
-    cfg = with_layers(config, layers)
-    captured: dict[str, dict] = {v.name: {"fusions": {}} for v in variants}
-
-    def backend(gm: torch.fx.GraphModule, example_inputs):
-        fake_mode = torch._guards.detect_fake_mode(example_inputs)
-        for variant in variants:
-            slot = captured[variant.name]
-            if variant.verl:  # custom autograd.Function: no canonicalization (it would refuse the graph)
-                graph, inputs = gm, list(example_inputs)
-            else:
-                graph = canonicalize.to_aten_graph(gm, example_inputs)
-                result = fuse(graph, QwenNpuConfig(fusions=frozenset(variant.families)), target=MODELLED_TARGET)
-                emit.finalize(graph)
-                slot["fusions"] = dict(result.fusions)
-                inputs = [*example_inputs, *(fake_mode.from_tensor(c) for c in emit.lift_constants(graph))]
-            with functorch_config.patch(force_non_lazy_backward_lowering=True):
-                aot_autograd(fw_compiler=traffic.recording_compiler(slot, "forward"),
-                             bw_compiler=traffic.recording_compiler(slot, "backward"))(graph, inputs)
-        return gm.forward
-
-    start = time.perf_counter()
-    torch._dynamo.reset()
-    patches = verl_moe_patches() if variants[0].verl else contextlib.nullcontext()
-    with patches, contextlib.ExitStack() as stack:
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with fake_mode:
-            model = modeling_qwen3_moe.Qwen3MoeModel._from_config(cfg, attn_implementation="sdpa", dtype=dtype)
-            inputs_embeds = torch.empty(1, tokens, cfg.hidden_size, dtype=dtype, requires_grad=not inference)
-        if variants[0].verl:
-            stack.enter_context(npu_flash_attention_2(model, (tokens,)))
-        if not inference:
-            model.norm = torch.nn.Identity()  # decoder layers only
-        model.train(not inference)
-        with torch.set_grad_enabled(not inference):
-            torch.compile(model, backend=backend, fullgraph=True)(inputs_embeds=inputs_embeds)
-    torch._dynamo.reset()
-    for name, slot in captured.items():
-        if "forward" not in slot or ("backward" not in slot and not inference):
-            raise RuntimeError(f"{name}: AOTAutograd did not hand over both graphs ({sorted(slot)})")
-    return {**captured, "seconds": time.perf_counter() - start}
+    return traffic.capture_layers(modeling_qwen3_moe.Qwen3MoeModel, with_layers(config, layers), variants, tokens, dtype, inference, verl_moe_patches, canonical=lambda variant: not variant.verl)
 
 
 def _schema(node: torch.fx.Node) -> str | None:
@@ -319,63 +248,31 @@ def per_layer_rows(config, tokens: int, dtype: torch.dtype, inference: bool,
     kinds = _kinds(inference)
     mode = "inference" if inference else "training"
     rows = {}
-    for verl in dict.fromkeys(v.verl for v in variants):
-        group = [v for v in variants if v.verl == verl]
-        one = build_moe_graphs(config, 1, group, tokens, dtype, inference)
-        two = build_moe_graphs(config, 2, group, tokens, dtype, inference)
-        for variant in group:
-            g1, g2 = one[variant.name], two[variant.name]
-            layer = {}
-            for kind in kinds:
-                layer[kind] = subtract(graph_counts(g2[kind]), graph_counts(g1[kind]))
-                bad = has_negative(layer[kind])
-                if bad:
-                    raise RuntimeError(f"{variant.name} {kind}: per-layer split went negative for {bad}")
-            sums = {kind: summarize(layer[kind]) for kind in kinds}
-            swiglu = {kind: {k: swiglu_cat_inputs(g2[kind])[k] - swiglu_cat_inputs(g1[kind])[k]
-                             for k in ("npu_swiglu", "fed_by_cat", "fed_by_grouped_matmul")} for kind in kinds}
-
-            def per(fn, kinds=kinds):
-                values = {kind: fn(kind) for kind in kinds}
-                return {**values, "total": sum(values.values())}
-
-            row = {
-                "description": variant.description,
-                "families": list(variant.families),
-                "fusions_per_layer": {f: n - g1["fusions"].get(f, 0) for f, n in g2["fusions"].items()
-                                      if n or g1["fusions"].get(f)},
-                "kernels": per(lambda k: sums[k]["kernels"]["total"]),
-                "bytes_read": per(lambda k: sum(r["bytes_read"] for r in layer[k].values())),
-                "bytes_written": per(lambda k: sum(r["bytes_written"] for r in layer[k].values())),
-                "bytes": per(lambda k: sums[k]["bytes"]["non_matmul"]),
-                "glue_bytes": per(lambda k: sums[k]["bytes"]["glue"]),
-                "flops": per(lambda k: sums[k]["flops"]["total"]),
-                "grouped_mm_flops": per(lambda k: grouped_mm_flops(layer[k])),
-                "est_ms": per(lambda k: _ms(sums[k]["bytes"]["non_matmul"])),
-                "roofline_ms": per(lambda k: sums[k]["roofline_ms"]["total"]),
-                "roofline_ms_by_category": {c: sum(sums[k]["roofline_ms"][c] for k in kinds) for c in CATEGORIES},
+    splits = traffic.per_layer_splits(lambda n, group: build_moe_graphs(config, n, group, tokens, dtype, inference),
+                                      variants, inference)
+    for variant, g1, g2, layer, seconds in splits:
+        swiglu = {kind: {k: swiglu_cat_inputs(g2[kind])[k] - swiglu_cat_inputs(g1[kind])[k]
+                         for k in ("npu_swiglu", "fed_by_cat", "fed_by_grouped_matmul")} for kind in kinds}
+        row = traffic.layer_row(variant, g1, g2, layer, seconds, after={
+            "flops": {"grouped_mm_flops": traffic.per_kind(kinds, lambda k: grouped_mm_flops(layer[k]))},
+            "roofline_ms_by_category": {
                 "grouped_mm": {kind: grouped_mm_counts(layer[kind]) for kind in kinds},
                 "swiglu": swiglu,
                 "grad_layout_copies": ({k: grad_layout_copies(g2["backward"])[k] - grad_layout_copies(g1["backward"])[k]
                                         for k in ("tensors", "bytes")} if not inference else {"tensors": 0, "bytes": 0}),
-                "capture_seconds": round(one["seconds"] + two["seconds"], 2),
-                "by_op": layer,
-            }
-            copies = row["grad_layout_copies"]["bytes"]
-            row["grad_layout_copies"]["ms"] = _ms(copies)
-            row["with_grad_layout_copies"] = {"bytes": row["bytes"]["total"] + copies,
-                                              "est_ms": _ms(row["bytes"]["total"] + copies),
-                                              "roofline_ms": row["roofline_ms"]["total"] + _ms(copies)}
-            rows[variant.name] = row
-            gmm = "; ".join(f"{k} " + ", ".join(f"{label} {n}" for label, n in row["grouped_mm"][k].items() if n)
-                            for k in kinds)
-            log.info("moe traffic: %s %s %s: kernels %s, %s MiB non-matmul (glue %s), %.2f TFLOP, est %.2f ms, "
-                     "roofline %.2f ms; grouped matmuls %s; grad layout copies %s MiB", MODEL if tokens == TOKENS else "tiny", mode, variant.name,
-                     " / ".join(str(row["kernels"][k]) for k in kinds),
-                     " + ".join(f"{row['bytes'][k] / MIB:,.0f}" for k in kinds),
-                     f"{row['glue_bytes']['total'] / MIB:,.0f}", row["flops"]["total"] / 1e12,
-                     row["est_ms"]["total"], row["roofline_ms"]["total"], gmm,
-                     f"{row['grad_layout_copies']['bytes'] / MIB:,.0f}")
+            },
+        })
+        copies = row["grad_layout_copies"]["bytes"]
+        row["grad_layout_copies"]["ms"] = _ms(copies)
+        row["with_grad_layout_copies"] = {"bytes": row["bytes"]["total"] + copies,
+                                          "est_ms": _ms(row["bytes"]["total"] + copies),
+                                          "roofline_ms": row["roofline_ms"]["total"] + _ms(copies)}
+        rows[variant.name] = row
+        gmm = "; ".join(f"{k} " + ", ".join(f"{label} {n}" for label, n in row["grouped_mm"][k].items() if n)
+                        for k in kinds)
+        log.info("moe traffic: %s %s %s: %s; grouped matmuls %s; grad layout copies %s MiB",
+                 MODEL if tokens == TOKENS else "tiny", mode, variant.name, traffic.row_line(row), gmm,
+                 f"{row['grad_layout_copies']['bytes'] / MIB:,.0f}")
     return {v.name: rows[v.name] for v in variants}
 
 

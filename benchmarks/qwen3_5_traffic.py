@@ -51,8 +51,6 @@ kernel ran on an NPU.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import json
 import logging
 import sys
@@ -62,16 +60,13 @@ from pathlib import Path
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 
-from qwen_npu_compile import canonicalize, emit, ensure_npu_ops
-from qwen_npu_compile.config import ALL_FAMILIES, QwenNpuConfig
-from qwen_npu_compile.fuse import fuse
+from qwen_npu_compile.config import ALL_FAMILIES
 
 from . import traffic
 from .common import MIB, run_metadata, write_json
-from .traffic import BANDWIDTH, CATEGORIES, MODELLED_TARGET, PEAK, graph_counts, has_negative, subtract, summarize
-from .verl_patch import FA2_SOURCES, npu_flash_attention_2
+from .traffic import BANDWIDTH, PEAK, graph_counts, summarize
+from .verl_patch import FA2_SOURCES
 from .verl_qwen3_5_patch import SOURCES as VERL_SOURCES
 from .verl_qwen3_5_patch import verl_qwen3_5_patches
 
@@ -113,23 +108,11 @@ CHUNK = 64
 SOLVE_TRIANGULAR = "aten.linalg_solve_triangular.default"
 
 
-@dataclasses.dataclass(frozen=True)
-class Qwen35Variant:
-    """One way of running Qwen3.5 (module docstring).
-
-    Attributes:
-        name: key in the results.
-        families: the qwen_npu families whose passes run (empty: none).
-        verl: verl's Qwen3.5 ``npu_patch`` and transformers' NPU flash attention (one capture of its own).
-        description: one line for the results.
-    """
-
-    name: str
-    families: tuple[str, ...]
-    verl: bool
-    description: str
+#: One way of running Qwen3.5 (module docstring); ``verl``: verl's Qwen3.5 ``npu_patch``.
+Qwen35Variant = traffic.LayerVariant
 
 
+#: One row per variant: data (the MoE and Qwen3.5 benchmarks' variant tables share their shape, not logic).
 VARIANTS = (
     Qwen35Variant("eager", (), False,
                   "transformers 5.24 as is: SDPA (explicit mask), torch chunked delta rule, F.conv1d causal conv, "
@@ -278,50 +261,9 @@ def build_graphs(config, kind: str, layers: int, variants: Sequence[Qwen35Varian
     Raises:
         ValueError: the variants disagree on ``verl``. RuntimeError: AOTAutograd did not hand over the graphs.
     """
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch import config as functorch_config
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    if len({v.verl for v in variants}) != 1:
-        raise ValueError("variants sharing one capture must agree on verl's patches")
-    ensure_npu_ops()
-    cfg = _with_layers(config, kind, layers)
-    captured: dict[str, dict] = {v.name: {"fusions": {}} for v in variants}
-
-    def backend(gm: torch.fx.GraphModule, example_inputs):
-        fake_mode = torch._guards.detect_fake_mode(example_inputs)
-        for variant in variants:
-            slot = captured[variant.name]
-            graph = canonicalize.to_aten_graph(gm, example_inputs)
-            result = fuse(graph, QwenNpuConfig(fusions=frozenset(variant.families)), target=MODELLED_TARGET)
-            emit.finalize(graph)
-            slot["fusions"] = dict(result.fusions)
-            inputs = [*example_inputs, *(fake_mode.from_tensor(c) for c in emit.lift_constants(graph))]
-            with functorch_config.patch(force_non_lazy_backward_lowering=True):
-                aot_autograd(fw_compiler=traffic.recording_compiler(slot, "forward"),
-                             bw_compiler=traffic.recording_compiler(slot, "backward"))(graph, inputs)
-        return gm.forward
-
-    start = time.perf_counter()
-    torch._dynamo.reset()
-    patches = verl_qwen3_5_patches() if variants[0].verl else contextlib.nullcontext()
-    with patches, contextlib.ExitStack() as stack:
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with fake_mode:
-            model = modeling_qwen3_5.Qwen3_5TextModel._from_config(cfg, attn_implementation="sdpa", dtype=dtype)
-            inputs_embeds = torch.empty(1, tokens, cfg.hidden_size, dtype=dtype, requires_grad=not inference)
-        if variants[0].verl:
-            stack.enter_context(npu_flash_attention_2(model, (tokens,)))
-        if not inference:
-            model.norm = torch.nn.Identity()  # decoder layers only
-        model.train(not inference)
-        with torch.set_grad_enabled(not inference):
-            torch.compile(model, backend=backend, fullgraph=True)(inputs_embeds=inputs_embeds)
-    torch._dynamo.reset()
-    for name, slot in captured.items():
-        if "forward" not in slot or ("backward" not in slot and not inference):
-            raise RuntimeError(f"{name}: AOTAutograd did not hand over both graphs ({sorted(slot)})")
-    return {**captured, "seconds": time.perf_counter() - start}
+    return traffic.capture_layers(modeling_qwen3_5.Qwen3_5TextModel, _with_layers(config, kind, layers), variants, tokens, dtype, inference, verl_qwen3_5_patches)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -376,58 +318,26 @@ def per_layer_rows(config, kind: str, tokens: int, dtype: torch.dtype, inference
     kinds = _kinds(inference)
     mode = "inference" if inference else "training"
     rows = {}
-    for verl in dict.fromkeys(v.verl for v in variants):
-        group = [v for v in variants if v.verl == verl]
-        one = build_graphs(config, kind, 1, group, tokens, dtype, inference)
-        two = build_graphs(config, kind, 2, group, tokens, dtype, inference)
-        for variant in group:
-            g1, g2 = one[variant.name], two[variant.name]
-            layer = {}
-            for k in kinds:
-                layer[k] = subtract(counts(g2[k]), counts(g1[k]))
-                bad = has_negative(layer[k])
-                if bad:
-                    raise RuntimeError(f"{variant.name} {kind} {k}: per-layer split went negative for {bad}")
-            sums = {k: summarize(layer[k]) for k in kinds}
-
-            def per(fn, kinds=kinds):
-                values = {k: fn(k) for k in kinds}
-                return {**values, "total": sum(values.values())}
-
-            solves = {k: {key: solve_counts(g2[k])[key] - solve_counts(g1[k])[key]
-                          for key in ("kernels", "vector_flops", "bytes")} for k in kinds}
-            row = {
-                "description": variant.description,
-                "families": list(variant.families),
-                "fusions_per_layer": {f: n - g1["fusions"].get(f, 0) for f, n in g2["fusions"].items()
-                                      if n or g1["fusions"].get(f)},
-                "fused_kernels": {k: fused_kernels(layer[k]) for k in kinds},
-                "kernels": per(lambda k: sums[k]["kernels"]["total"]),
-                "bytes_read": per(lambda k: sum(r["bytes_read"] for r in layer[k].values())),
-                "bytes_written": per(lambda k: sum(r["bytes_written"] for r in layer[k].values())),
-                "bytes": per(lambda k: sums[k]["bytes"]["non_matmul"]),
-                "attention_bytes": per(lambda k: sums[k]["bytes"]["attention"]),
-                "glue_bytes": per(lambda k: sums[k]["bytes"]["glue"]),
-                "flops": per(lambda k: sums[k]["flops"]["total"]),
-                "attention_flops": per(lambda k: sums[k]["flops"]["attention"]),
-                "est_ms": per(lambda k: _ms(sums[k]["bytes"]["non_matmul"])),
-                "roofline_ms": per(lambda k: sums[k]["roofline_ms"]["total"]),
-                "roofline_ms_by_category": {c: sum(sums[k]["roofline_ms"][c] for k in kinds) for c in CATEGORIES},
+    splits = traffic.per_layer_splits(lambda n, group: build_graphs(config, kind, n, group, tokens, dtype, inference),
+                                      variants, inference, counts=counts, where=f"{kind} ")
+    for variant, g1, g2, layer, seconds in splits:
+        sums = {k: summarize(layer[k]) for k in kinds}
+        solves = {k: {key: solve_counts(g2[k])[key] - solve_counts(g1[k])[key]
+                      for key in ("kernels", "vector_flops", "bytes")} for k in kinds}
+        row = traffic.layer_row(variant, g1, g2, layer, seconds, after={
+            "fusions_per_layer": {"fused_kernels": {k: fused_kernels(layer[k]) for k in kinds}},
+            "bytes": {"attention_bytes": traffic.per_kind(kinds, lambda k: sums[k]["bytes"]["attention"])},
+            "flops": {"attention_flops": traffic.per_kind(kinds, lambda k: sums[k]["flops"]["attention"])},
+            "roofline_ms_by_category": {
                 "solve_triangular": solves,
                 "bmm": {k: {"kernels": op_kernels(layer[k], "aten.bmm.default"),
                             "flops": layer[k].get("aten.bmm.default", {}).get("flops", 0)} for k in kinds},
                 "top_ops": top_ops(layer, kinds),
-                "capture_seconds": round(one["seconds"] + two["seconds"], 2),
-                "by_op": layer,
-            }
-            rows[variant.name] = row
-            log.info("qwen3.5 traffic: %s %s %s: kernels %s, %s MiB non-matmul (glue %s), %.2f TFLOP, est %.2f ms, "
-                     "roofline %.2f ms; fused %s (%.0fs)", kind, mode, variant.name,
-                     " / ".join(str(row["kernels"][k]) for k in kinds),
-                     " + ".join(f"{row['bytes'][k] / MIB:,.0f}" for k in kinds),
-                     f"{row['glue_bytes']['total'] / MIB:,.0f}", row["flops"]["total"] / 1e12,
-                     row["est_ms"]["total"], row["roofline_ms"]["total"], row["fusions_per_layer"],
-                     row["capture_seconds"])
+            },
+        })
+        rows[variant.name] = row
+        log.info("qwen3.5 traffic: %s %s %s: %s; fused %s (%.0fs)", kind, mode, variant.name, traffic.row_line(row),
+                 row["fusions_per_layer"], row["capture_seconds"])
     return {v.name: rows[v.name] for v in variants}
 
 

@@ -578,19 +578,23 @@ def _is_fused(node: torch.fx.Node) -> bool:
     )
 
 
-def _reaches_fused(start, step) -> bool:
-    """Whether a fused op is reachable from ``start`` through free (view-like) nodes, moving by ``step``."""
+def _through_free(start, step) -> Iterator[torch.fx.Node]:
+    """Every node reachable from the nodes ``start``, moving by ``step`` (users or arguments) only on from free
+    (view-like) nodes; each once, the nodes of ``start`` included."""
     stack, seen = list(start), set()
     while stack:
         node = stack.pop()
         if node in seen:
             continue
         seen.add(node)
-        if _is_fused(node):
-            return True
+        yield node
         if classify(node) == "free":
             stack.extend(step(node))
-    return False
+
+
+def _reaches_fused(start, step) -> bool:
+    """Whether a fused op is reachable from ``start`` through free (view-like) nodes, moving by ``step``."""
+    return any(_is_fused(node) for node in _through_free(start, step))
 
 
 def _feeds_fused(node: torch.fx.Node) -> bool:
@@ -600,17 +604,7 @@ def _feeds_fused(node: torch.fx.Node) -> bool:
 def _feeds_fused_through_matmul(node: torch.fx.Node) -> bool:
     """Whether ``node`` feeds (through views) a matmul whose output feeds (through views) a fused op:
     an in-graph weight concatenation such as ``cat([w_gate, w_up])``."""
-    stack, seen = list(node.users), set()
-    while stack:
-        user = stack.pop()
-        if user in seen:
-            continue
-        seen.add(user)
-        if classify(user) == "free":
-            stack.extend(user.users)
-        elif classify(user) == "matmul" and _feeds_fused(user):
-            return True
-    return False
+    return any(classify(user) == "matmul" and _feeds_fused(user) for user in _through_free(node.users, lambda n: n.users))
 
 
 def _fed_by_fused(node: torch.fx.Node) -> bool:
@@ -698,16 +692,8 @@ def swiglu_forward_bytes(gm: torch.fx.GraphModule) -> dict[str, int]:
             out["silu_mul"] += sum(sum(node_bytes(u)) for u in node.users if u.target is aten.mul.Tensor)
         elif node.target._schema.name == "npu::npu_swiglu":
             out["npu_swiglu"] += sum(node_bytes(node))
-            stack, seen = list(_node_args(node)), set()
-            while stack:
-                arg = stack.pop()
-                if arg in seen:
-                    continue
-                seen.add(arg)
-                if is_glue(arg):
-                    out["input_glue"] += sum(node_bytes(arg))
-                elif classify(arg) == "free":
-                    stack.extend(_node_args(arg))
+            out["input_glue"] += sum(sum(node_bytes(arg)) for arg in _through_free(_node_args(node), _node_args)
+                                     if is_glue(arg))  # glue is a vector op: the walk stops there
     return out
 
 
@@ -889,21 +875,183 @@ def build_graphs(
         with torch.set_grad_enabled(not inference):
             torch.compile(model, backend=backend, fullgraph=True)(inputs_embeds=inputs_embeds, **kwargs)
     torch._dynamo.reset()
+    return _handed_over(captured, inference, start)
+
+
+def _handed_over(captured: dict[str, dict], inference: bool, start: float) -> dict:
+    """``captured`` with ``"seconds"`` since ``start``, after checking that AOTAutograd handed every variant its
+    forward graph (and, training, its backward graph); RuntimeError naming the variant otherwise."""
     for name, slot in captured.items():
         if "forward" not in slot or ("backward" not in slot and not inference):
             raise RuntimeError(f"{name}: AOTAutograd did not hand over both graphs ({sorted(slot)})")
     return {**captured, "seconds": time.perf_counter() - start}
 
 
-def per_layer_tables(
-    config,
-    variants: Sequence[Variant],
-    batch: int,
-    seq: int,
-    dtype: torch.dtype,
-    inference: bool = False,
-    packing: Sequence[int] | None = None,
-) -> dict:
+@dataclasses.dataclass(frozen=True)
+class LayerVariant:
+    """One way of running a model's decoder layers in the per-layer benchmarks (:mod:`benchmarks.moe_traffic`'s
+    ``MoeVariant``, :mod:`benchmarks.qwen3_5_traffic`'s ``Qwen35Variant``; their module docstrings name them).
+
+    Attributes:
+        name: key in the results.
+        families: the qwen_npu families whose passes run (empty: none).
+        verl: the model's verl ``npu_patch`` and transformers' NPU flash attention (one capture of its own).
+        description: one line for the results.
+    """
+
+    name: str
+    families: tuple[str, ...]
+    verl: bool
+    description: str
+
+
+def capture_layers(model_class, cfg, variants: Sequence, tokens: int, dtype: torch.dtype, inference: bool,
+                   verl_patches, *, canonical=lambda variant: True) -> dict[str, dict]:
+    """Capture the decoder layers of ``model_class`` built from ``cfg`` once under fake tensors (one row of
+    ``tokens``); each variant's AOT graphs: the MoE and Qwen3.5 benchmarks' capture (:mod:`benchmarks.moe_traffic`,
+    :mod:`benchmarks.qwen3_5_traffic`; :func:`build_graphs` is the dense one, with padding and packing).
+
+    The variants must agree on ``verl`` (one Dynamo capture of one model code; ``verl_patches()`` is entered for
+    verl variants). Each gets the canonical ATen graph (unless ``canonical(variant)`` is False: a graph applying a
+    custom ``autograd.Function``, which canonicalization refuses, is handed over as captured), its passes
+    (:func:`qwen_npu_compile.fuse.fuse`, checks as for torchair on an NPU) and
+    :func:`qwen_npu_compile.emit.finalize`, then AOTAutograd (backward compiled eagerly).
+
+    Returns:
+        Per variant name ``{"forward": GraphModule, "backward": GraphModule (training), "fusions": {family: n}}``,
+        plus ``"seconds"`` (wall time, float).
+
+    Raises:
+        ValueError: the variants disagree on ``verl``. RuntimeError: AOTAutograd did not hand over the graphs.
+    """
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch import config as functorch_config
+
+    if len({v.verl for v in variants}) != 1:
+        raise ValueError("variants sharing one capture must agree on verl's patches")
+    ensure_npu_ops()
+    captured: dict[str, dict] = {v.name: {"fusions": {}} for v in variants}
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        fake_mode = torch._guards.detect_fake_mode(example_inputs)
+        for variant in variants:
+            slot = captured[variant.name]
+            if not canonical(variant):
+                graph, inputs = gm, list(example_inputs)
+            else:
+                graph = canonicalize.to_aten_graph(gm, example_inputs)
+                result = fuse(graph, QwenNpuConfig(fusions=frozenset(variant.families)), target=MODELLED_TARGET)
+                emit.finalize(graph)
+                slot["fusions"] = dict(result.fusions)
+                inputs = [*example_inputs, *(fake_mode.from_tensor(c) for c in emit.lift_constants(graph))]
+            with functorch_config.patch(force_non_lazy_backward_lowering=True):
+                aot_autograd(fw_compiler=recording_compiler(slot, "forward"),
+                             bw_compiler=recording_compiler(slot, "backward"))(graph, inputs)
+        return gm.forward
+
+    start = time.perf_counter()
+    torch._dynamo.reset()
+    patches = verl_patches() if variants[0].verl else contextlib.nullcontext()
+    with patches, contextlib.ExitStack() as stack:
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake_mode:
+            model = model_class._from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+            inputs_embeds = torch.empty(1, tokens, cfg.hidden_size, dtype=dtype, requires_grad=not inference)
+        if variants[0].verl:
+            stack.enter_context(npu_flash_attention_2(model, (tokens,)))
+        if not inference:
+            model.norm = torch.nn.Identity()  # decoder layers only
+        model.train(not inference)
+        with torch.set_grad_enabled(not inference):
+            torch.compile(model, backend=backend, fullgraph=True)(inputs_embeds=inputs_embeds)
+    torch._dynamo.reset()
+    return _handed_over(captured, inference, start)
+
+
+def per_kind(kinds: Sequence[str], fn) -> dict:
+    """``{kind: fn(kind), ..., "total": sum}`` over the graph kinds (forward, backward)."""
+    values = {kind: fn(kind) for kind in kinds}
+    return {**values, "total": sum(values.values())}
+
+
+def per_layer_splits(build, variants: Sequence, inference: bool, counts=graph_counts, where: str = "") -> Iterator[tuple]:
+    """The per-layer tables of the per-layer benchmarks (:mod:`benchmarks.moe_traffic`, :mod:`benchmarks.qwen3_5_traffic`):
+    per group of variants agreeing on ``verl``, ``build(1, group)`` and ``build(2, group)`` (captures of
+    :func:`capture_layers`); per variant, each graph kind's table (``counts``) of 2 layers minus that of 1.
+
+    Yields:
+        ``(variant, captures of 1 layer, of 2 layers, {kind: per-layer table}, capture seconds)``, grouped by ``verl``.
+
+    Raises:
+        RuntimeError: a per-layer table went negative (the message names ``where`` before the graph kind).
+    """
+    kinds = _kinds(inference)
+    for verl in dict.fromkeys(v.verl for v in variants):
+        group = [v for v in variants if v.verl == verl]
+        one, two = build(1, group), build(2, group)
+        for variant in group:
+            g1, g2 = one[variant.name], two[variant.name]
+            layer = {}
+            for kind in kinds:
+                layer[kind] = subtract(counts(g2[kind]), counts(g1[kind]))
+                bad = has_negative(layer[kind])
+                if bad:
+                    raise RuntimeError(f"{variant.name} {where}{kind}: per-layer split went negative for {bad}")
+            yield variant, g1, g2, layer, one["seconds"] + two["seconds"]
+
+
+def layer_row(variant, g1: dict, g2: dict, layer: dict[str, dict], seconds: float,
+              after: dict[str, dict] | None = None) -> dict:
+    """The fields every per-layer row has (description, families, fusions, kernels, bytes read / written /
+    non-matmul / glue, FLOPs, est. and roofline ms per graph kind, roofline by category, capture seconds, the
+    per-op tables), each followed by the benchmark's own fields ``after[field]``.
+
+    Args:
+        variant: a :class:`LayerVariant`.
+        g1: its capture of 1 layer; g2: of 2 layers (their ``fusions``).
+        layer: per graph kind, the per-layer table (:func:`per_layer_splits`).
+        seconds: the capture time.
+        after: the benchmark's own fields, by the common field they follow.
+    """
+    kinds = tuple(layer)
+    sums = {k: summarize(layer[k]) for k in kinds}
+    fields = {
+        "description": variant.description,
+        "families": list(variant.families),
+        "fusions_per_layer": {f: n - g1["fusions"].get(f, 0) for f, n in g2["fusions"].items()
+                              if n or g1["fusions"].get(f)},
+        "kernels": per_kind(kinds, lambda k: sums[k]["kernels"]["total"]),
+        "bytes_read": per_kind(kinds, lambda k: sum(r["bytes_read"] for r in layer[k].values())),
+        "bytes_written": per_kind(kinds, lambda k: sum(r["bytes_written"] for r in layer[k].values())),
+        "bytes": per_kind(kinds, lambda k: sums[k]["bytes"]["non_matmul"]),
+        "glue_bytes": per_kind(kinds, lambda k: sums[k]["bytes"]["glue"]),
+        "flops": per_kind(kinds, lambda k: sums[k]["flops"]["total"]),
+        "est_ms": per_kind(kinds, lambda k: _ms(sums[k]["bytes"]["non_matmul"])),
+        "roofline_ms": per_kind(kinds, lambda k: sums[k]["roofline_ms"]["total"]),
+        "roofline_ms_by_category": {c: sum(sums[k]["roofline_ms"][c] for k in kinds) for c in CATEGORIES},
+        "capture_seconds": round(seconds, 2),
+        "by_op": layer,
+    }
+    row = {}
+    for key, value in fields.items():
+        row[key] = value
+        row.update((after or {}).get(key, {}))
+    return row
+
+
+def row_line(row: dict) -> str:
+    """A per-layer row's progress line: ``kernels 9 / 14, 3 + 5 MiB non-matmul (glue 0), 0.12 TFLOP, est 0.01 ms,
+    roofline 0.05 ms``."""
+    kinds = [k for k in ("forward", "backward") if k in row["kernels"]]
+    kernels = " / ".join(str(row["kernels"][k]) for k in kinds)
+    mib = " + ".join(f"{row['bytes'][k] / MIB:,.0f}" for k in kinds)
+    return (f"kernels {kernels}, {mib} MiB non-matmul (glue {row['glue_bytes']['total'] / MIB:,.0f}), "
+            f"{row['flops']['total'] / 1e12:.2f} TFLOP, est {row['est_ms']['total']:.2f} ms, "
+            f"roofline {row['roofline_ms']['total']:.2f} ms")
+
+
+def per_layer_tables(config, variants: Sequence[Variant], batch: int, seq: int, dtype: torch.dtype,
+                     inference: bool = False, packing: Sequence[int] | None = None) -> dict:
     """Per-op tables per layer and per forward, for the forward and backward graphs of each variant.
 
     Variants are grouped by :attr:`Variant.capture_key` so that each group costs one Dynamo capture per

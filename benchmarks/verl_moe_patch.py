@@ -48,7 +48,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .verl_patch import apply_rotary_pos_emb_npu, rms_norm_forward
+from .verl_patch import apply_rotary_pos_emb_npu, replaced, rms_norm_forward
 
 #: Where the modelled functions come from (cited in the results).
 SOURCES = (
@@ -139,11 +139,7 @@ def verl_moe_patches() -> Iterator[None]:
     the block only (originals restored on exit)."""
     from transformers.models.qwen3_moe import modeling_qwen3_moe as modeling
 
-    saved = (modeling.Qwen3MoeRMSNorm.forward, modeling.Qwen3MoeSparseMoeBlock.forward, modeling.apply_rotary_pos_emb)
-    modeling.Qwen3MoeRMSNorm.forward = rms_norm_forward
-    modeling.Qwen3MoeSparseMoeBlock.forward = sparse_moe_block_forward
-    modeling.apply_rotary_pos_emb = apply_rotary_pos_emb_npu
-    try:
+    with replaced((modeling.Qwen3MoeRMSNorm, "forward", rms_norm_forward),
+                  (modeling.Qwen3MoeSparseMoeBlock, "forward", sparse_moe_block_forward),
+                  (modeling, "apply_rotary_pos_emb", apply_rotary_pos_emb_npu)):
         yield
-    finally:
-        modeling.Qwen3MoeRMSNorm.forward, modeling.Qwen3MoeSparseMoeBlock.forward, modeling.apply_rotary_pos_emb = saved

@@ -52,24 +52,26 @@ def apply_rotary_pos_emb_npu(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)
 
 
 @contextlib.contextmanager
-def verl_patches() -> Iterator[None]:
-    """Patch transformers' Qwen2 like verl does, inside the block only (originals restored on exit)."""
-    saved = (
-        modeling_qwen2.Qwen2RMSNorm.forward,
-        modeling_qwen2.Qwen2MLP.forward,
-        modeling_qwen2.apply_rotary_pos_emb,
-    )
-    modeling_qwen2.Qwen2RMSNorm.forward = rms_norm_forward
-    modeling_qwen2.Qwen2MLP.forward = silu_forward
-    modeling_qwen2.apply_rotary_pos_emb = apply_rotary_pos_emb_npu
+def replaced(*replacements: tuple[object, str, object]) -> Iterator[None]:
+    """Set each ``(owner, attribute, value)`` inside the block only (the originals are restored on exit): how the
+    verl patches of every benchmark (Qwen2 here, :mod:`.verl_moe_patch`, :mod:`.verl_qwen3_5_patch`) apply."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in replacements]
+    for owner, name, value in replacements:
+        setattr(owner, name, value)
     try:
         yield
     finally:
-        (
-            modeling_qwen2.Qwen2RMSNorm.forward,
-            modeling_qwen2.Qwen2MLP.forward,
-            modeling_qwen2.apply_rotary_pos_emb,
-        ) = saved
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+@contextlib.contextmanager
+def verl_patches() -> Iterator[None]:
+    """Patch transformers' Qwen2 like verl does, inside the block only (originals restored on exit)."""
+    with replaced((modeling_qwen2.Qwen2RMSNorm, "forward", rms_norm_forward),
+                  (modeling_qwen2.Qwen2MLP, "forward", silu_forward),
+                  (modeling_qwen2, "apply_rotary_pos_emb", apply_rotary_pos_emb_npu)):
+        yield
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -43,6 +43,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from .verl_patch import replaced
+
 #: Where the modelled functions come from (cited in the results).
 SOURCES = (
     "https://github.com/volcengine/verl/blob/v0.9.1/verl/models/transformers/npu_patch.py "
@@ -95,11 +97,7 @@ def verl_qwen3_5_patches() -> Iterator[None]:
     block only (originals restored on exit)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
 
-    saved = (modeling.Qwen3_5RMSNorm.forward, modeling.Qwen3_5RMSNormGated.forward, modeling.apply_rotary_pos_emb)
-    modeling.Qwen3_5RMSNorm.forward = rms_norm_forward
-    modeling.Qwen3_5RMSNormGated.forward = rms_norm_gated_forward
-    modeling.apply_rotary_pos_emb = apply_rotary_pos_emb
-    try:
+    with replaced((modeling.Qwen3_5RMSNorm, "forward", rms_norm_forward),
+                  (modeling.Qwen3_5RMSNormGated, "forward", rms_norm_gated_forward),
+                  (modeling, "apply_rotary_pos_emb", apply_rotary_pos_emb)):
         yield
-    finally:
-        modeling.Qwen3_5RMSNorm.forward, modeling.Qwen3_5RMSNormGated.forward, modeling.apply_rotary_pos_emb = saved

@@ -95,6 +95,7 @@ def qwen_npu_backend(
     # warning at the first failing write (dump.py); `check` and maybe_compile refuse it up front.
     config = QwenNpuConfig.from_options(options, dump_dir_errors="defer")
     deltanet.install(enabled="gated_delta_rule" in config.fusions)  # for the frames Dynamo traces next
+    deltanet.warn_if_substituted_while_disabled(gm, config.fusions)
     status = ensure_npu_ops()
     downstream = resolve_downstream(config, status)
     report, rewritten = rewrite(gm, example_inputs, config, status, downstream)

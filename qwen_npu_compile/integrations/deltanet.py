@@ -277,6 +277,22 @@ def _install_verl() -> str | None:
     return _installed[key]
 
 
+def warn_if_substituted_while_disabled(gm: torch.fx.GraphModule, fusions) -> None:
+    """One warning when ``gm`` holds the op although the ``gated_delta_rule`` family is off in these options:
+    Dynamo substitutes while it traces, before a backend sees ``torch.compile(options=...)``; the switch set now
+    reaches the next trace (Dynamo's guard on it recompiles the frame). ``QWEN_NPU_FUSIONS`` and
+    ``maybe_compile``'s options are read before tracing."""
+    if "gated_delta_rule" in fusions or "disabled" in _refused:
+        return
+    target = torch.ops.qwen_npu.chunk_gated_delta_rule.default
+    if gm.graph.find_nodes(op="call_function", target=target):
+        _refused.add("disabled")
+        log.warning("qwen_npu: the gated_delta_rule family is off in torch.compile's options, but Dynamo had already "
+                    "put %s in this graph (substitutions happen while it traces, before the backend reads options); "
+                    "the frame recompiles without it at its next call. Switch the family off with QWEN_NPU_FUSIONS "
+                    "or maybe_compile's options to avoid the first graph", op_module.NAME)
+
+
 def check_module(module: torch.nn.Module) -> str | None:
     """Why the traced packed forward cannot run ``module`` (a ``Qwen3_5GatedDeltaNet``), None when it can."""
     missing = [name for name in _MODULE_ATTRIBUTES if not hasattr(module, name)]

@@ -568,11 +568,6 @@ def install(model: nn.Module) -> list[str]:
     if base is None:
         return []
     implementation = _attn_implementation(getattr(base, "config", None))
-    if _linear_attention_layers(getattr(base, "config", None)):
-        from . import deltanet  # the DeltaNet layers: verl's packed forward with tensor offsets
-
-        for line in deltanet.install():
-            log.info("qwen_npu: Gated DeltaNet: %s", line)
     if implementation not in RULES:
         log.info("qwen_npu: attn_implementation %r: packed micro-batches keep transformers' path", implementation)
         return []

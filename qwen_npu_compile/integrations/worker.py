@@ -613,6 +613,10 @@ def maybe_compile(
         compiler.records.append(record)
     result = CompiledLayers(records)
     result.compiler = compiler if compiler.records else earlier
+    from . import deltanet  # the Gated DeltaNet as one op (Qwen3.5 / Qwen3-Next), or its Python with the family off
+
+    for line in deltanet.install(enabled="gated_delta_rule" in config.fusions):
+        log.info("qwen_npu: Gated DeltaNet: %s", line)
     if "attention" in config.fusions:
         from . import varlen  # packed micro-batches: offsets once per micro-batch, varlen attention
 

@@ -84,6 +84,28 @@ def test_whole_model_bf16_training_step_fused_with_parity(npu_ops, family):
     assert report.fusions == expected_fusions(model.config), report.fusions
     assert not any(report.already_fused.values()), report.already_fused  # the gated norm's ops are its own
     _assert_backward_ops(report)
+    # g's softplus_backward is laid out like the op's contiguous dg: nothing to pin (the delta rule is one op)
+    assert report.fusions["gated_delta_rule"] == LINEAR_LAYERS and report.layout_pins == []
+
+
+def test_traced_delta_rule_with_the_family_off_pins_the_softplus_gradient(npu_ops):
+    """With ``gated_delta_rule`` off, the delta rule is traced as transformers' Python, which reads g transposed:
+    where torch's softplus_backward meta kernel disagrees with the CPU kernel (:data:`BUG`), the AOT audit pins
+    each layer's gradient (the crash of issue 25 otherwise), and training matches eager."""
+    from qwen_npu_compile.integrations import deltanet
+
+    families = [name for name in FAMILIES if name != "gated_delta_rule"]
+    deltanet.install(enabled=False)
+    try:
+        model = tiny_hybrid("qwen3_5", torch.bfloat16).train()
+        ids = _ids()
+        eager = run_model(model, model, ids, True)
+        compiled = torch.compile(model, backend="qwen_npu", options={"strict": True, "fusions": families})
+        assert_runs_match(run_model(model, compiled, ids, True), eager, fp32_reference(model, ids, True))
+    finally:
+        deltanet.install(enabled=True)
+    (report,) = SUMMARY.graphs
+    assert report.fusions == expected_fusions(model.config, families), report.fusions
     assert len(report.layout_pins) == (LINEAR_LAYERS if BUG else 0)
     assert {pin["op"] for pin in report.layout_pins} <= {"aten.softplus_backward.default"}
 
@@ -141,7 +163,7 @@ def test_torchair_converts_the_full_attention_layer_and_names_the_deltanet_ops(s
     """Per decoder layer (verl's way), bf16 training, torchair's FX->GE conversion off-NPU: the full-attention
     layer's forward and backward convert with 0 failures (RmsNorm 4 with q/k norms, RotaryMul 2,
     FlashAttentionScore 1); the Gated DeltaNet layer's fused ops convert (RmsNorm 3 = 2 + the gated norm's,
-    SwiGlu 2 = MLP + gated norm) and exactly its softplus (fw/bw) and 2 triangular solves per graph have no
+    SwiGlu 2 = MLP + gated norm) and exactly its softplus (fw/bw) and the delta rule op (fw/bw) have no
     converter in torchair (on an NPU that AOT graph runs through AOTAutograd, one warning per graph)."""
     from conftest import run_ge_script
 
@@ -155,27 +177,30 @@ def test_torchair_converts_the_full_attention_layer_and_names_the_deltanet_ops(s
     assert (bw["RmsNormGrad"], bw["FlashAttentionScoreGrad"], bw["SwiGluGrad"]) == (4, 1, 1)
     failed = Counter((f["graph"], f["op"]) for f in linear["failures"])
     graphs = {g["name"]: g["kind"] for g in linear["graphs"]}
+    # torch_npu 2.9.0-2.14.0's converter of npu_chunk_gated_delta_rule raises in GE graph mode (read from the
+    # wheels): the delta rule (one op each way, no longer 2 triangular solves) has no converter either
     assert {(graphs[g], op): n for (g, op), n in failed.items()} == {
-        ("forward", "aten.softplus.default"): 1, ("forward", "aten.linalg_solve_triangular.default"): 2,
-        ("backward", "aten.softplus_backward.default"): 1, ("backward", "aten.linalg_solve_triangular.default"): 2}
+        ("forward", "aten.softplus.default"): 1, ("forward", "qwen_npu.chunk_gated_delta_rule.default"): 1,
+        ("backward", "aten.softplus_backward.default"): 1,
+        ("backward", "qwen_npu.chunk_gated_delta_rule_backward.default"): 1}
     fw, bw = (next(g["ops"] for g in linear["graphs"] if g["kind"] == kind) for kind in ("forward", "backward"))
     assert (fw["RmsNorm"], fw["SwiGlu"], bw["RmsNormGrad"], bw["SwiGluGrad"]) == (3, 2, 3, 2)
 
 
-def test_packed_rows_keep_transformers_path_per_layer_and_say_why(monkeypatch, npu_ops, caplog):
-    """Under maybe_compile a hybrid model's packed rows are not taken over (the DeltaNet layers need verl's
-    packed forward, issue 26): nothing is installed, one INFO line says why, and the refusal names the
-    DeltaNet layers (it said "sliding-window attention")."""
+def test_packed_rows_of_a_hybrid_model_run_varlen_attention(monkeypatch, npu_ops, caplog):
+    """Under maybe_compile a hybrid model's packed rows are taken over (issue 26): the full-attention layers get
+    the host offsets and run varlen attention; the DeltaNet layers are :mod:`.deltanet`'s, which names what it
+    put in place (transformers' torch delta rule -> the op)."""
     import logging
 
     from qwen_npu_compile.integrations import varlen
 
     monkeypatch.setenv(ENV_COMPILE, "1")
-    model = tiny_hybrid("qwen3_5", torch.float32).train()
+    model = tiny_hybrid("qwen3_5", torch.float32, attn="sdpa").train()
     with caplog.at_level(logging.INFO, logger="qwen_npu_compile"):
         layers = maybe_compile(model)
-    assert layers.varlen == []
-    assert any("Gated DeltaNet (linear_attention) layers: packed micro-batches keep" in r.getMessage()
-               for r in caplog.records)
+    assert layers.varlen and layers.varlen[0] == "Qwen3_5TextModel forward pre-hook"
+    assert any(r.getMessage() == "qwen_npu: Gated DeltaNet: modeling_qwen3_5.torch_chunk_gated_delta_rule -> "
+               "qwen_npu::chunk_gated_delta_rule" for r in caplog.records)
     reason = varlen.packing_refusal(model.model, dict(position_ids=torch.tensor([[0, 1, 2, 0, 1]]), use_cache=False))
-    assert reason == "the model has Gated DeltaNet (linear_attention) layers (Qwen3.5 / Qwen3-Next)"
+    assert reason is None

@@ -93,12 +93,12 @@ def _causal_mask(ge):
 
     ``Greater(Reshape(r, [1, n]), Reshape(r, [n, 1]))`` with ``r = Range(0, n, 1)``: element ``[i, j]`` is
     ``j > i``, i.e. ``torch.triu(ones(n, n, bool), diagonal=1)``
-    (:func:`qwen_npu_compile.npu_ops.fusion_attention.compressed_causal_mask`, what the op's kernel passes).
+    (:func:`qwen_npu_compile.npu_ops.attention_contract.compressed_causal_mask`, what the op's kernel passes).
     Built from three Consts rather than held as one: a 4 MiB ``Const`` made the GE graph's pbtxt dump 21 MB
     and its conversion 8 s on this host. All inputs are constant, so GE can fold it at compile time (not
     verified off-NPU; unfolded it is one 4M-element compare per graph run).
     """
-    from .npu_ops.fusion_attention import COMPRESSED_MASK_SIZE
+    from .npu_ops.attention_contract import COMPRESSED_MASK_SIZE
 
     graph = ge.get_default_ge_graph()
     mask = _MASKS.get(graph)
@@ -114,7 +114,7 @@ def _causal_mask(ge):
 
 def _attention_mask(ge, sparse_mode: int):
     """The atten_mask input: the compressed causal mask for modes 2/3, none for mode 0 (others refused)."""
-    from .npu_ops.fusion_attention import COMPRESSED_MASK_MODES
+    from .npu_ops.attention_contract import COMPRESSED_MASK_MODES
 
     if sparse_mode in COMPRESSED_MASK_MODES:
         return _causal_mask(ge)
@@ -148,6 +148,19 @@ def _refuse_outside_limits(op: str, query, key, value, seq_ends, head_num: int, 
         raise NotImplementedError(f"{op} cannot convert to GE FlashAttentionScore (TND): {reason}")
 
 
+def _tnd_arguments(ge, op: str, query, key, value, seq_ends, head_num: int, scale, sparse_mode: int) -> dict:
+    """The keyword arguments FlashAttentionScore and FlashAttentionScoreGrad share for one TND packing (the
+    offsets, mask, layout and options), after :func:`_refuse_outside_limits`."""
+    _refuse_outside_limits(op, query, key, value, seq_ends, head_num, sparse_mode)
+    ends = _int64(ge, seq_ends)
+    return dict(
+        drop_mask=None, padding_mask=None, atten_mask=_attention_mask(ge, sparse_mode), prefix=None,
+        actual_seq_qlen=ends, actual_seq_kvlen=ends, q_start_idx=0, kv_start_idx=0, head_num=head_num,
+        input_layout="TND", scale_value=scale, keep_prob=1.0, pre_tockens=NO_BAND, next_tockens=NO_BAND,
+        inner_precise=INNER_PRECISE, sparse_mode=sparse_mode,
+    )
+
+
 def _register_varlen_attention() -> None:
     from .npu_ops import varlen_attention
 
@@ -155,14 +168,10 @@ def _register_varlen_attention() -> None:
 
     def convert(query, key, value, seq_ends, head_num, scale, sparse_mode=3, meta_outputs=None):
         """qwen_npu.varlen_attention -> FlashAttentionScore(input_layout="TND"); see the module docstring."""
-        _refuse_outside_limits("qwen_npu.varlen_attention", query, key, value, seq_ends, head_num, sparse_mode)
-        ends = _int64(ge, seq_ends)
+        arguments = _tnd_arguments(ge, "qwen_npu.varlen_attention", query, key, value, seq_ends, head_num, scale,
+                                   sparse_mode)
         softmax_max, softmax_sum, _softmax_out, attention_out = ge.FlashAttentionScore(
-            query, key, value,
-            real_shift=None, drop_mask=None, padding_mask=None, atten_mask=_attention_mask(ge, sparse_mode),
-            prefix=None, actual_seq_qlen=ends, actual_seq_kvlen=ends, q_start_idx=0, kv_start_idx=0,
-            head_num=head_num, input_layout="TND", scale_value=scale, keep_prob=1.0,
-            pre_tockens=NO_BAND, next_tockens=NO_BAND, inner_precise=INNER_PRECISE, sparse_mode=sparse_mode,
+            query, key, value, real_shift=None, **arguments
         )
         return attention_out, softmax_max, softmax_sum
 
@@ -177,16 +186,11 @@ def _register_varlen_attention_backward() -> None:
     def convert(dy, query, key, value, out, softmax_max, softmax_sum, seq_ends, head_num, scale, sparse_mode=3,
                 meta_outputs=None):
         """qwen_npu.varlen_attention_backward -> FlashAttentionScoreGrad(input_layout="TND") (dq, dk, dv)."""
-        _refuse_outside_limits("qwen_npu.varlen_attention_backward", query, key, value, seq_ends, head_num,
-                               sparse_mode)
-        ends = _int64(ge, seq_ends)
+        arguments = _tnd_arguments(ge, "qwen_npu.varlen_attention_backward", query, key, value, seq_ends, head_num,
+                                   scale, sparse_mode)
         dq, dk, dv, _dpse = ge.FlashAttentionScoreGrad(
-            query, key, value, dy,
-            pse_shift=None, drop_mask=None, padding_mask=None, atten_mask=_attention_mask(ge, sparse_mode),
-            softmax_max=softmax_max, softmax_sum=softmax_sum, softmax_in=None, attention_in=out,
-            prefix=None, actual_seq_qlen=ends, actual_seq_kvlen=ends, q_start_idx=0, kv_start_idx=0,
-            head_num=head_num, input_layout="TND", scale_value=scale, keep_prob=1.0,
-            pre_tockens=NO_BAND, next_tockens=NO_BAND, inner_precise=INNER_PRECISE, sparse_mode=sparse_mode,
+            query, key, value, dy, pse_shift=None, softmax_max=softmax_max, softmax_sum=softmax_sum, softmax_in=None,
+            attention_in=out, **arguments
         )
         return dq, dk, dv
 

@@ -9,14 +9,16 @@ The lowest graph module of the package: it imports only :mod:`.compat`, and :mod
   :func:`remove_noop_slices`, for graphs only);
 - activation-checkpointed regions: :func:`checkpoint_calls`, :func:`checkpoint_bodies`,
   :func:`checkpoint_operands`, :func:`fusion_graphs`;
-- custom ``torch.autograd.Function`` walks: :func:`custom_autograd_function_applies`.
+- custom ``torch.autograd.Function`` walks: :func:`custom_autograd_function_applies`;
+- :func:`ancestors` of a node; :func:`share_first`: one node per key, the first in graph order (the families share mask conversions and
+  varlen offsets with it).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 
 import torch
 import torch.fx
@@ -243,3 +245,45 @@ def custom_autograd_function_applies(gm: torch.fx.GraphModule) -> Iterator[tuple
         if isinstance(module, torch.fx.GraphModule):
             for node in module.graph.find_nodes(op="call_function", target=hop):
                 yield module, node
+
+
+# --------------------------------------------------------------------------------------------------
+# ancestors; sharing identical nodes
+
+
+def ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """``node`` and every node it depends on (its inputs, their inputs, ...)."""
+    seen, stack = {node}, [node]
+    while stack:
+        for arg in stack.pop().all_input_nodes:
+            if arg not in seen:
+                seen.add(arg)
+                stack.append(arg)
+    return seen
+
+
+def share_first(graph: torch.fx.Graph, keyed: Iterable[tuple[torch.fx.Node, Hashable]],
+                on_first: Callable[[torch.fx.Node, Hashable], None] | None = None) -> int:
+    """Keep the first node of each key and point every later one's uses at it (the later ones are erased).
+
+    Args:
+        graph: the graph holding the nodes.
+        keyed: ``(node, key)`` pairs in graph order (nodes of one key compute the same value, so the first
+            precedes every use of the later ones); read lazily, after ``on_first`` ran on earlier nodes.
+        on_first: called with ``(node, key)`` on the first node of each key (e.g. to rewire or move it).
+
+    Returns:
+        How many nodes were erased.
+    """
+    first: dict[Hashable, torch.fx.Node] = {}
+    removed = 0
+    for node, key in keyed:
+        if key not in first:
+            first[key] = node
+            if on_first is not None:
+                on_first(node, key)
+            continue
+        node.replace_all_uses_with(first[key])
+        graph.erase_node(node)
+        removed += 1
+    return removed

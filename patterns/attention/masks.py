@@ -1,4 +1,5 @@
-"""The attention masks of the ``attention`` family: proving, converting and sharing them.
+"""The attention masks of the ``attention`` family: proving, converting and sharing them (``patterns/attention/``:
+imports nothing of the family; :mod:`.dense` and :mod:`.packed` import it).
 
 ``npu_fusion_attention`` takes one kind of mask, ``atten_mask``: bool, **True = masked out**, shapes
 BNSS/B1SS/11SS/SS (torch_npu 2.13.0 ``npu_fusion_attention`` docs; the shape limit lives in
@@ -36,10 +37,12 @@ import torch
 import torch.fx
 
 from qwen_npu_compile.fusion import meta_val, node_source, region_operands, view_key
+from qwen_npu_compile.graphs import ancestors, share_first
 from qwen_npu_compile.npu_ops.scalars import constant_tensor_value
 
 aten = torch.ops.aten
-log = logging.getLogger(__name__)
+#: The logger keeps the name of the module this one was (``patterns/attention_mask.py``).
+log = logging.getLogger("qwen_npu_compile.patterns.attention_mask")
 
 #: Ops that keep the set of values of an additive mask (views, copies, casts) between it and its where.
 _VALUE_PRESERVING = (
@@ -170,21 +173,15 @@ def share_mask_conversions(graph: torch.fx.Graph) -> int:
     Returns:
         How many conversions were removed.
     """
-    first: dict[tuple, torch.fx.Node] = {}
-    removed = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in MASK_CONVERSIONS + COMPRESSED_MASK_OPS:
-            continue
-        if not _only_feeds_attention(node):
-            continue
-        key = (node.target, view_key(node.args), view_key(tuple(sorted(node.kwargs.items()))))
-        if key not in first:
-            first[key] = node
-            continue
-        node.replace_all_uses_with(first[key])
-        graph.erase_node(node)
-        removed += 1
-    return removed
+    conversions = (
+        node for node in list(graph.nodes)
+        if node.op == "call_function" and node.target in MASK_CONVERSIONS + COMPRESSED_MASK_OPS
+        and _only_feeds_attention(node)
+    )
+    return share_first(
+        graph, ((node, (node.target, view_key(node.args), view_key(tuple(sorted(node.kwargs.items())))))
+                for node in conversions)
+    )
 
 
 def eager_fully_masked_rows(query, key, value, attn_mask, scale, out):
@@ -320,12 +317,7 @@ def causal_mask_reason(mask: torch.fx.Node) -> str | None:
 
 def _ancestors(node: torch.fx.Node) -> list[torch.fx.Node]:
     """``node`` and every node it depends on, in graph (topological) order."""
-    seen, stack = {node}, [node]
-    while stack:
-        for arg in stack.pop().all_input_nodes:
-            if arg not in seen:
-                seen.add(arg)
-                stack.append(arg)
+    seen = ancestors(node)
     return [n for n in node.graph.nodes if n in seen]
 
 

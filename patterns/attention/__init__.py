@@ -1,0 +1,44 @@
+"""The attention family (SDPA and the eager chain -> ``npu_fusion_attention``; packed sequences ->
+``qwen_npu.varlen_attention``), one package whose modules depend one way (each imports only those above it
+in this list)::
+
+    spellings   the variant table (SPELLINGS: one row per spelling) and the search side; row -> variant
+    masks       proving, converting and sharing attention masks
+    packed      the proof that a mask is the packed causal mask of the graph's position ids   (masks)
+    dense       a row's replacement (one npu_fusion_attention call) and check                  (spellings, masks)
+    varlen      the packed-sequence variants and their replacement (varlen_attention)          (spellings, dense, packed)
+    family      AttentionFamily and its pass                                                   (all of the above)
+
+This package exports what the one module ``patterns/attention.py`` exported; the old module paths
+``qwen_npu_compile.patterns.attention_mask`` and ``qwen_npu_compile.patterns.attention_varlen`` are the
+:mod:`.masks` and :mod:`.varlen` modules themselves (aliases, not copies), and their loggers keep those names.
+"""
+
+from __future__ import annotations
+
+from .dense import (  # noqa: F401 (re-exported)
+    _AUTOCAST_DTYPE,
+    _CAUSAL_MASK,
+    _autocast_cast,
+    _check_fn,
+    _dense_bsnd,
+    _replace_fn,
+    _scale_for,
+    _variant,
+    check_attention,
+    fused_attention,
+)
+from .family import (  # noqa: F401 (re-exported)
+    TAKEOVER_VARIANT,
+    AttentionFamily,
+    AttentionPass,
+    count_varlen_takeovers,
+    is_linear_logits_softmax,
+    spell_key_transposes,
+)
+from .spellings import SPELLINGS, _DROPOUT_P, _SCALE, Spelling, _examples, _search_fn, row_variant  # noqa: F401
+
+__all__ = [
+    "SPELLINGS", "TAKEOVER_VARIANT", "AttentionFamily", "AttentionPass", "Spelling", "check_attention",
+    "count_varlen_takeovers", "fused_attention", "is_linear_logits_softmax", "row_variant", "spell_key_transposes",
+]

@@ -16,12 +16,18 @@ def print_table(result: dict) -> None:
     torch_npu = found["torch_npu"] if found["torch_npu"] else "none (npu ops simulated)"
     torchair = f", torchair {found['torchair']}" if found["torchair"] else ""
     print(f"  ran with torch {found['torch']}, transformers {found['transformers']}, torch_npu {torch_npu}{torchair}")
-    width = max([12, *(len(family) + 1 for family in result["fusions"])])  # rms_norm_gated: 14 characters
+    # a family this model has nothing of (expected 0, none fused) is named on one line, not given a row
+    rows = {family: row for family, row in result["fusions"].items()
+            if row["expected"] or row["fused"] or row["already_fused"]}
+    absent = [family for family in result["fusions"] if family not in rows]
+    width = max([12, *(len(family) + 1 for family in rows)])  # rms_norm_gated: 14 characters
     print(f"  {'family':<{width}}{'fused':>8}{'expected':>10}  status")
-    for family, row in result["fusions"].items():
+    for family, row in rows.items():
         got = row["fused"] + row["already_fused"]
         note = f" ({row['already_fused']} already fused)" if row["already_fused"] else ""
         print(f"  {family:<{width}}{got:>8}{row['expected']:>10}  {'ok' if got == row['expected'] else 'MISSING'}{note}")
+    if absent:
+        print(f"  (nothing to fuse in this model for {', '.join(absent)})")
     half = "eager_rel_l2_to_fp32" in result["parity"]["logits"]
     if half:
         print(f"  {'parity':<12}{'max abs':>11}{'rel l2':>11}{'eager→fp32':>12}{'ours→fp32':>11}{'bound':>10}  status")

@@ -169,7 +169,12 @@ def test_check_refuses_a_training_check_without_a_target_token(extra, expected, 
 def test_check_infer_with_one_token_still_runs(capsys, tmp_path):
     folder = _tiny_folder(tmp_path / "tiny")
     assert cli.main(["check", str(folder), "--dtype", "fp32", "--mode", "infer", "--seq-len", "1"]) == 0
-    assert "verdict: PASS" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "verdict: PASS" in out
+    # the table gives a row to what the model has, and names in one line the families it has nothing of
+    table = out.split("  family ")[1].split("  parity ")[0].splitlines()
+    assert [line.split()[0] for line in table[1:-1]] == ["rms_norm", "swiglu", "rotary", "attention"], table
+    assert table[-1].startswith("  (nothing to fuse in this model for ") and "moe" in table[-1], table
 
 
 def test_check_refuses_a_nan_reference_loss(capsys, tmp_path):

@@ -1,5 +1,6 @@
-"""The package's module-level imports form no cycle (config imports the family registry, so nothing the
-registry imports may import config), and every module imports on its own in a fresh interpreter."""
+"""The package's modules import one another one way: no import circle, counting the imports inside functions
+(lazy ones) too, since a lazy import that closes a circle only hides it (config imports the family registry, so
+nothing the registry imports may import config); and every module imports on its own in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -17,19 +18,35 @@ PATTERNS = Path(qwen_npu_compile.patterns.__file__).parent  # installed as qwen_
 
 def _modules() -> dict[str, Path]:
     modules = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(PACKAGE).with_suffix("").parts
-        modules[".".join(("qwen_npu_compile", *parts)).removesuffix(".__init__")] = path
-    for path in sorted(PATTERNS.glob("*.py")):
-        modules[f"qwen_npu_compile.patterns.{path.stem}".removesuffix(".__init__")] = path
+    for root, prefix in ((PACKAGE, ("qwen_npu_compile",)), (PATTERNS, ("qwen_npu_compile", "patterns"))):
+        for path in sorted(root.rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            modules[".".join((*prefix, *parts)).removesuffix(".__init__")] = path
     return modules
 
 
-def _module_level_imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """Project modules ``name`` imports at module level (function-level, lazy imports excluded)."""
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """ids of the import nodes under ``if TYPE_CHECKING:`` (never run, so no edge of the graph)."""
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(inner) for stmt in node.body for inner in ast.walk(stmt))
+    return skipped
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Project modules ``name`` imports, at module level or inside functions (lazily).
+
+    ``from package import module`` depends on that module only (the package is being imported already);
+    ``from package import name`` on the package's ``__init__``.
+    """
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    tree = ast.parse(path.read_text())
+    skipped = _type_checking_only(tree)
     found = set()
-    for node in ast.parse(path.read_text()).body:
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -38,37 +55,74 @@ def _module_level_imports(name: str, path: Path, known: set[str]) -> set[str]:
                 anchor = package.split(".")
                 anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join([*anchor, *([base] if base else [])])
-            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
         else:
             continue
         found.update(target for target in targets if target in known and target != name)
     return found
 
 
-def test_no_import_cycle_among_modules():
-    modules = _modules()
+def import_circles(modules: dict[str, Path]) -> list[list[str]]:
+    """The import circles among ``modules`` (name -> file): the strongly connected components of more than one
+    module of the import graph, each sorted, in order. The package's own ``__init__`` imports its public names
+    and every submodule import passes through it by design: its edges are left out."""
     known = set(modules)
-    # the package __init__ imports its public names; every submodule import passes through it by design
-    graph = {name: _module_level_imports(name, path, known) - {"qwen_npu_compile"} for name, path in modules.items()}
-    graph["qwen_npu_compile"] = set()
-    state: dict[str, str] = {}
+    graph = {name: sorted(_imports(name, path, known) - {"qwen_npu_compile"}) for name, path in modules.items()}
+    graph["qwen_npu_compile"] = []
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
     stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
 
-    def visit(name: str) -> None:
-        state[name] = "open"
+    def visit(name: str) -> None:  # Tarjan's algorithm
+        index[name] = low[name] = len(index)
         stack.append(name)
-        for dep in sorted(graph[name]):
-            if state.get(dep) == "open":
-                cycle = stack[stack.index(dep):] + [dep]
-                raise AssertionError("import cycle: " + " -> ".join(cycle))
-            if dep not in state:
+        on_stack.add(name)
+        for dep in graph[name]:
+            if dep not in index:
                 visit(dep)
-        stack.pop()
-        state[name] = "done"
+                low[name] = min(low[name], low[dep])
+            elif dep in on_stack:
+                low[name] = min(low[name], index[dep])
+        if low[name] == index[name]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == name:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
 
     for name in sorted(graph):
-        if name not in state:
+        if name not in index:
             visit(name)
+    return sorted(circles)
+
+
+def test_no_import_circle_among_modules():
+    circles = import_circles(_modules())
+    assert not circles, f"{len(circles)} import circle(s): " + "; ".join(" <-> ".join(c) for c in circles)
+
+
+def test_import_circles_count_lazy_imports(tmp_path):
+    """The detector sees a circle closed by an import inside a function (as the four of issue 28 were), and not
+    one through ``if TYPE_CHECKING:`` or through a package whose submodule is imported by name."""
+    files = {
+        "a.py": "from . import b\n",
+        "b.py": "def f():\n    from .a import g\n",  # lazy: a <-> b
+        "c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import d\n",
+        "d.py": "from . import c\n",  # c -> d only under TYPE_CHECKING: no circle
+        "__init__.py": "from .e import h\n",
+        "e.py": "from . import a\n",  # from the package, a submodule by name: no edge to __init__
+    }
+    modules = {}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+        modules[f"pkg.{name.removesuffix('.py')}".removesuffix(".__init__")] = tmp_path / name
+    assert import_circles(modules) == [["pkg.a", "pkg.b"]]
 
 
 def test_config_and_registry_import_first():

@@ -335,32 +335,16 @@ def _numels(dims, keep_prob):
     return b * nq * sq * skv if keep_prob < 1.0 else 0
 
 
-def reference_fusion_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    head_num: int,
-    input_layout: str,
-    pse: torch.Tensor | None = None,
-    padding_mask: torch.Tensor | None = None,
-    atten_mask: torch.Tensor | None = None,
-    scale: float = 1.0,
-    keep_prob: float = 1.0,
-    pre_tockens: int = NO_BAND,
-    next_tockens: int = NO_BAND,
-    inner_precise: int = 0,
-    prefix: list[int] | None = None,
-    actual_seq_qlen: list[int] | None = None,
-    actual_seq_kvlen: list[int] | None = None,
-    sparse_mode: int = 0,
-    gen_mask_parallel: bool = True,
-    sync: bool = False,
-    softmax_layout: str = "",
-    sink: torch.Tensor | None = None,
-    dropout_mask: torch.Tensor | None = None,
-    seed: int = 0,
-    offset: int = 0,
-):
+def reference_fusion_attention(  # the arguments of FUSION_ATTENTION_SCHEMA, in order (data, as the grad's)
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, head_num: int, input_layout: str,
+    pse: torch.Tensor | None = None, padding_mask: torch.Tensor | None = None,
+    atten_mask: torch.Tensor | None = None, scale: float = 1.0, keep_prob: float = 1.0,
+    pre_tockens: int = NO_BAND, next_tockens: int = NO_BAND, inner_precise: int = 0,
+    prefix: list[int] | None = None, actual_seq_qlen: list[int] | None = None,
+    actual_seq_kvlen: list[int] | None = None, sparse_mode: int = 0, gen_mask_parallel: bool = True,
+    sync: bool = False, softmax_layout: str = "", sink: torch.Tensor | None = None,
+    dropout_mask: torch.Tensor | None = None, seed: int = 0, offset: int = 0,
+):  # fmt: skip
     """CPU reference of ``npu_fusion_attention``.
 
     Args:
@@ -424,38 +408,18 @@ def reference_fusion_attention(
     return out, softmax_max, softmax_sum, softmax_out, seed, offset, _numels(dims, keep_prob)
 
 
-def reference_fusion_attention_grad(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    dy: torch.Tensor,
-    head_num: int,
-    input_layout: str,
-    *,
-    pse: torch.Tensor | None = None,
-    padding_mask: torch.Tensor | None = None,
-    atten_mask: torch.Tensor | None = None,
-    softmax_max: torch.Tensor | None = None,
-    softmax_sum: torch.Tensor | None = None,
-    softmax_in: torch.Tensor | None = None,
-    attention_in: torch.Tensor | None = None,
-    scale_value: float = 1.0,
-    keep_prob: float = 1.0,
-    pre_tockens: int = NO_BAND,
-    next_tockens: int = NO_BAND,
-    inner_precise: int = 0,
-    seed: int = 0,
-    offset: int = 0,
-    numels: int = 0,
-    prefix: list[int] | None = None,
-    actual_seq_qlen: list[int] | None = None,
-    actual_seq_kvlen: list[int] | None = None,
-    sparse_mode: int = 0,
-    gen_mask_parallel: bool = True,
-    sync: bool = False,
-    softmax_layout: str = "",
+def reference_fusion_attention_grad(  # the arguments of FUSION_ATTENTION_GRAD_SCHEMA, in order (data)
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dy: torch.Tensor, head_num: int,
+    input_layout: str, *, pse: torch.Tensor | None = None, padding_mask: torch.Tensor | None = None,
+    atten_mask: torch.Tensor | None = None, softmax_max: torch.Tensor | None = None,
+    softmax_sum: torch.Tensor | None = None, softmax_in: torch.Tensor | None = None,
+    attention_in: torch.Tensor | None = None, scale_value: float = 1.0, keep_prob: float = 1.0,
+    pre_tockens: int = NO_BAND, next_tockens: int = NO_BAND, inner_precise: int = 0, seed: int = 0,
+    offset: int = 0, numels: int = 0, prefix: list[int] | None = None,
+    actual_seq_qlen: list[int] | None = None, actual_seq_kvlen: list[int] | None = None, sparse_mode: int = 0,
+    gen_mask_parallel: bool = True, sync: bool = False, softmax_layout: str = "",
     sink: torch.Tensor | None = None,
-):
+):  # fmt: skip
     """CPU reference of ``npu_fusion_attention_grad``.
 
     Recomputes the softmax probabilities (and the dropout keep mask, from ``seed``/``offset``) from

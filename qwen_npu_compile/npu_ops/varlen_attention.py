@@ -109,15 +109,10 @@ def _tnd_kernel(name: str, tensors: tuple, head_num: int, ends: list[int], spars
 # varlen_attention
 
 
-def varlen_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    seq_ends: torch.Tensor,
-    head_num: int,
-    scale: float,
+def varlen_attention(  # SCHEMA's arguments, in order (data, as the backward's)
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq_ends: torch.Tensor, head_num: int, scale: float,
     sparse_mode: int = 3,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Causal attention of each packed sequence (the kernel; module docstring).
 
     Args:
@@ -156,19 +151,11 @@ def _fake(query, key, value, seq_ends, head_num, scale, sparse_mode=3):
     )
 
 
-def varlen_attention_backward(
-    dy: torch.Tensor,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    out: torch.Tensor,
-    softmax_max: torch.Tensor,
-    softmax_sum: torch.Tensor,
-    seq_ends: torch.Tensor,
-    head_num: int,
-    scale: float,
+def varlen_attention_backward(  # BACKWARD_SCHEMA's arguments, in order (data)
+    dy: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
+    softmax_max: torch.Tensor, softmax_sum: torch.Tensor, seq_ends: torch.Tensor, head_num: int, scale: float,
     sparse_mode: int = 3,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Gradients of :func:`varlen_attention` (``npu_fusion_attention_grad`` in TND).
 
     Args:

@@ -10,8 +10,8 @@ The lowest graph module of the package: it imports only :mod:`.compat`, and :mod
 - activation-checkpointed regions: :func:`checkpoint_calls`, :func:`checkpoint_bodies`,
   :func:`checkpoint_operands`, :func:`fusion_graphs`;
 - custom ``torch.autograd.Function`` walks: :func:`custom_autograd_function_applies`;
-- :func:`ancestors` of a node; :func:`share_first`: one node per key, the first in graph order (the families share mask conversions and
-  varlen offsets with it).
+- :func:`ancestors` of a node; :func:`share_first`: one node per key, the first in graph order (the
+  families share mask conversions and varlen offsets with it).
 """
 
 from __future__ import annotations

@@ -2,12 +2,12 @@
 ``qwen_npu.varlen_attention``), one package whose modules depend one way (each imports only those above it
 in this list)::
 
-    spellings   the variant table (SPELLINGS: one row per spelling) and the search side; row -> variant
+    spellings   the variant table (SPELLINGS), the search side; row -> variant
     masks       proving, converting and sharing attention masks
-    packed      the proof that a mask is the packed causal mask of the graph's position ids   (masks)
-    dense       a row's replacement (one npu_fusion_attention call) and check                  (spellings, masks)
-    varlen      the packed-sequence variants and their replacement (varlen_attention)          (spellings, dense, packed)
-    family      AttentionFamily and its pass                                                   (all of the above)
+    packed      the proof that a mask is the packed causal mask of the position ids   (masks)
+    dense       a row's replacement (one npu_fusion_attention call) and check         (spellings, masks)
+    varlen      the packed-sequence variants and their replacement (varlen_attention) (spellings, dense, packed)
+    family      AttentionFamily and its pass                                          (all of the above)
 
 This package exports what the one module ``patterns/attention.py`` exported; the old module paths
 ``qwen_npu_compile.patterns.attention_mask`` and ``qwen_npu_compile.patterns.attention_varlen`` are the

@@ -28,7 +28,7 @@ An explicit mask (shape 1, or the eager chain's additive mask) that is provably 
 gets the same ``sparse_mode=2`` and compressed mask instead of ``logical_not(mask)`` (the eager chain then
 has no fully masked row to recompute): the mask is a graph constant built from sizes only (no padding
 mask, no user-passed position ids, static S) and its compile-time value is ``tril(ones(S, S))``
-(:func:`.attention_mask.causal_mask_reason`). That is what transformers 5.x builds for every compiled
+(:func:`.masks.causal_mask_reason`). That is what transformers 5.x builds for every compiled
 training forward without ``attention_mask`` (its packed-sequence mask from the default position ids) and
 4.57 for every compiled forward; the ``[B, 1, S, S]`` mask subgraph then becomes dead code. Which form was
 chosen, and why an explicit mask was kept, is logged at DEBUG (logger
@@ -40,13 +40,13 @@ BSH/BNSD key padding has no other form than an S×S mask.
 Constraints (``shared/reference/npu-op-contracts.md``; torch_npu 2.13.0 ``npu_fusion_attention`` docs,
 Meta kernel and torchair GE converter). Every limit of the op lives in
 :func:`~qwen_npu_compile.npu_ops.fusion_attention.fusion_attention_violation`; what the masks need lives
-in :mod:`.attention_mask`. This module adds what the *rewrite* needs:
+in :mod:`.masks`. This module adds what the *rewrite* needs:
 
 - ``head_num`` = Nq and native GQA (query head h reads kv head h // n_rep, which is what repeat_kv
   builds): n_rep is taken from the shapes and re-checked against the matched expand
   (:func:`_repeat_kv_reason`).
-- ``atten_mask`` is bool with **True = masked out** (:func:`.attention_mask.masked_out`); an additive
-  float mask must be provably 0 / ``finfo.min`` (:func:`.attention_mask.check_additive_mask`).
+- ``atten_mask`` is bool with **True = masked out** (:func:`.masks.masked_out`); an additive
+  float mask must be provably 0 / ``finfo.min`` (:func:`.masks.check_additive_mask`).
   ``is_causal`` (left-up, as in PyTorch), and an explicit mask proven to be ``tril`` with Sq == Skv, is
   ``sparse_mode=2`` with the 2048x2048 compressed mask (what the torch_npu docs require for mode 2).
   ``scale`` defaults to 1.0 in the op: always passed explicitly, as a Python float
@@ -54,7 +54,7 @@ in :mod:`.attention_mask`. This module adds what the *rewrite* needs:
 - ``inner_precise=2`` with an explicit mask: left padding masks whole query rows, which only mode 2
   computes correctly. Such rows give 0, as PyTorch SDPA (>= 2.5) gives; HF's *eager* chain gives the mean
   of V there instead, so the fused eager chain replaces those rows by exactly that
-  (:func:`.attention_mask.eager_fully_masked_rows`).
+  (:func:`.masks.eager_fully_masked_rows`).
 - ``keep_prob = 1 - dropout_p``: dropout is refused for torchair (its GE converter takes ``keep_prob == 1``
   only) and for the simulated stand-ins, whose dropout mask is a fixed function of (shape, seed=0,
   offset=0): every layer and every step would drop the same positions, silently making training dropout
@@ -200,7 +200,7 @@ def check_attention(
         key: ``[B, Nkv, Skv, D]``, un-repeated.
         value: ``[B, Nkv, Skv, Dv]``.
         attn_mask: None, or the SDPA/eager mask (bool, or a float mask already verified by
-            :func:`.attention_mask.check_additive_mask`).
+            :func:`.masks.check_additive_mask`).
         dropout_p: the effective dropout probability (0 in eval); a non-constant one is refused.
         target: where the rewritten graph goes (``fusion.current_target()``); None = unknown.
     """
@@ -351,7 +351,7 @@ def _autocast_dtype(match, q, k, v) -> tuple[torch.dtype | None, str | None]:
 
 
 #: Set by a variant's check: True when the matched explicit mask is provably the plain causal mask
-#: (:func:`.attention_mask.causal_mask_reason`); the replacement then uses ``sparse_mode=2`` with the
+#: (:func:`.masks.causal_mask_reason`); the replacement then uses ``sparse_mode=2`` with the
 #: compressed mask and leaves the ``[B, 1, S, S]`` mask unread (it becomes dead code).
 _CAUSAL_MASK: contextvars.ContextVar[bool] = contextvars.ContextVar("qwen_npu_attention_causal", default=False)
 

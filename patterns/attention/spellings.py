@@ -34,8 +34,9 @@ Mirrors transformers 5.x (checked on 5.24.0) ``integrations/sdpa_attention.py`` 
         return attn_output.transpose(1, 2).contiguous(), attn_weights
 
 Each way a captured graph spells this is one row of :data:`SPELLINGS` (the variant table: which
-transformers version, attention implementation and setting produces it); :func:`row_variant` (with :mod:`.dense`'s replacement and check) turns a row
-into a :class:`~qwen_npu_compile.fusion.PatternVariant`. In short (torch 2.13, transformers 5.24; q is
+transformers version, attention implementation and setting produces it); :func:`row_variant` (with
+:mod:`.dense`'s replacement and check) turns a row into a :class:`~qwen_npu_compile.fusion.PatternVariant`.
+In short (torch 2.13, transformers 5.24; q is
 ``rotary(linear.view.transpose)``, BNSD shape over BSND memory; dropout is ``attention_dropout`` in
 training, else 0):
 

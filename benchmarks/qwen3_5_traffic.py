@@ -33,8 +33,10 @@ Variants (:data:`VARIANTS`):
 * ``qwen_npu``: every family (:data:`qwen_npu_compile.config.ALL_FAMILIES`): whatever the families emit at the
   time of the run (``fusions_per_layer`` in the results says what fused).
 
-**The chunked delta rule** (``torch_chunk_gated_delta_rule``, chunk size ``C`` = 64) is traced ATen ops in all
-three variants: Dynamo unrolls its scan over the ``S/C`` chunks. Its matmuls (``@`` on 4-/5-D fp32 tensors,
+**The chunked delta rule** (``torch_chunk_gated_delta_rule``, chunk size ``C`` = 64) is traced ATen ops in eager and
+verl-style (Dynamo unrolls its scan over the ``S/C`` chunks; the capture runs with the substitution off); qwen_npu
+runs it as one op, ``qwen_npu::chunk_gated_delta_rule`` (the ``gated_delta_rule`` family), whose FLOPs are the
+same algorithm's (:func:`delta_rule_op_flops`) and whose bytes are only its operands and results. Its matmuls (``@`` on 4-/5-D fp32 tensors,
 ``aten.bmm`` after decomposition) are matmuls (Cube, ``2·M·N·K``); its two ``linalg_solve_triangular`` calls
 (and their backward) are vector kernels whose FLOPs (:func:`solve_triangular_flops`: ``C·(C-1)·D`` per ``C x C``
 unit-triangular system and ``D`` right-hand sides) are reported and enter the roofline at the Vector peak
@@ -106,6 +108,9 @@ LAYER_KINDS = ("linear_attention", "full_attention")
 CHUNK = 64
 
 SOLVE_TRIANGULAR = "aten.linalg_solve_triangular.default"
+#: The Gated DeltaNet's delta rule as one op (``qwen_npu_compile.npu_ops.gated_delta_rule``) and its backward op.
+DELTA_RULE = "qwen_npu.chunk_gated_delta_rule.default"
+DELTA_RULE_BACKWARD = "qwen_npu.chunk_gated_delta_rule_backward.default"
 
 
 #: One way of running Qwen3.5 (module docstring); ``verl``: verl's Qwen3.5 ``npu_patch``.
@@ -184,11 +189,50 @@ def solve_triangular_time(flops: int, num_bytes: int) -> float:
     return max(flops / PEAK["vector_fp16_flops_per_second"], num_bytes / BANDWIDTH["bytes_per_second"])
 
 
+def delta_rule_op_flops(node: torch.fx.Node) -> tuple[int, int]:
+    """``(Cube FLOPs, vector FLOPs)`` modelled for one ``qwen_npu.chunk_gated_delta_rule`` (or its backward op) node.
+
+    Forward: the chunked algorithm of :func:`expected_deltanet_flops` on ``S`` padded to whole chunks, with the last
+    chunk's state update (the op returns the final state): ``S·H·(4·C·dk + 2·C·dv + 6·dk·dv)`` matmul FLOPs and
+    ``S·H·(C-1)·(dv + dk)`` triangular-solve FLOPs. Backward (the op's: the forward recomputed, then each matmul's
+    two gradient matmuls, each solve's transposed solve): 3x the forward's matmul FLOPs, 2x its solve FLOPs, the
+    usual 2x-forward backward of matmuls (as :func:`benchmarks.traffic.kernel_flops` counts attention's) plus the
+    recompute. A model of what a fused kernel must compute; FLA's / fla_npu's kernels were not measured. (0, 0) for
+    any other node."""
+    name = traffic.op_name(node) if node.op == "call_function" else ""
+    if name not in (DELTA_RULE, DELTA_RULE_BACKWARD):
+        return 0, 0
+    first = 2 if name == DELTA_RULE_BACKWARD else 0  # the backward op's args start with the two gradients
+    query, value = node.args[first].meta["val"], node.args[first + 2].meta["val"]
+    batch, tokens, heads, dk = (traffic._dim(x) for x in query.shape)
+    dv = traffic._dim(value.shape[-1])
+    padded = batch * -(-tokens // CHUNK) * CHUNK
+    cube = padded * heads * (4 * CHUNK * dk + 2 * CHUNK * dv + 6 * dk * dv)
+    vector = padded * heads * (CHUNK - 1) * (dv + dk)
+    return (3 * cube, 2 * vector) if name == DELTA_RULE_BACKWARD else (cube, vector)
+
+
 def counts(gm: torch.fx.GraphModule) -> dict[str, dict]:
     """:func:`benchmarks.traffic.graph_counts` with the triangular solves' vector FLOPs: their rows get ``flops``
     = 0 (the Cube FLOPs, as every vector kernel) and their ``roofline_ps`` from :func:`solve_triangular_time`;
-    the vector FLOPs are in :func:`solve_counts`."""
+    the vector FLOPs are in :func:`solve_counts`. The delta rule op (and its backward) get the Cube FLOPs of
+    :func:`delta_rule_op_flops` and the roofline ``max((cube / Cube peak + vector / Vector peak), bytes / bandwidth)``,
+    its bytes being only its operands and results (one kernel)."""
     table = graph_counts(gm)
+    for op in (DELTA_RULE, DELTA_RULE_BACKWARD):
+        row = table.get(op)
+        if row is None:
+            continue
+        row["category"], row["flops"], row["roofline_ps"] = "fused", 0, 0
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and traffic.op_name(node) == op:
+                cube, vector = delta_rule_op_flops(node)
+                read, written = traffic.node_bytes(node)
+                seconds = max(cube / traffic.PEAK["cube_bf16_flops_per_second"]
+                              + vector / traffic.PEAK["vector_fp16_flops_per_second"],
+                              (read + written) / traffic.BANDWIDTH["bytes_per_second"])
+                row["flops"] += cube
+                row["roofline_ps"] += round(seconds * 1e12)
     row = table.get(SOLVE_TRIANGULAR)
     if row is not None:
         row["roofline_ps"] = 0
@@ -319,7 +363,8 @@ def per_layer_rows(config, kind: str, tokens: int, dtype: torch.dtype, inference
     mode = "inference" if inference else "training"
     rows = {}
     splits = traffic.per_layer_splits(lambda n, group: build_graphs(config, kind, n, group, tokens, dtype, inference),
-                                      variants, inference, counts=counts, where=f"{kind} ")
+                                      variants, inference, counts=counts, where=f"{kind} ",
+                                      key=traffic.capture_verl_deltanet)
     for variant, g1, g2, layer, seconds in splits:
         sums = {k: summarize(layer[k]) for k in kinds}
         solves = {k: {key: solve_counts(g2[k])[key] - solve_counts(g1[k])[key]

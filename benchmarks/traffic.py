@@ -854,6 +854,8 @@ def build_graphs(
 
     start = time.perf_counter()
     torch._dynamo.reset()
+    # the DeltaNet substitution is decided while Dynamo traces: on only if every variant of the capture has the family
+    deltanet.install(enabled=all("gated_delta_rule" in v.families for v in variants))
     patches = verl_patches() if variants[0].verl else contextlib.nullcontext()
     with patches, contextlib.ExitStack() as stack:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -930,6 +932,7 @@ def capture_layers(model_class, cfg, variants: Sequence, tokens: int, dtype: tor
     if len({v.verl for v in variants}) != 1:
         raise ValueError("variants sharing one capture must agree on verl's patches")
     ensure_npu_ops()
+    from qwen_npu_compile.integrations import deltanet
     captured: dict[str, dict] = {v.name: {"fusions": {}} for v in variants}
 
     def backend(gm: torch.fx.GraphModule, example_inputs):
@@ -951,6 +954,8 @@ def capture_layers(model_class, cfg, variants: Sequence, tokens: int, dtype: tor
 
     start = time.perf_counter()
     torch._dynamo.reset()
+    # the DeltaNet substitution is decided while Dynamo traces: on only if every variant of the capture has the family
+    deltanet.install(enabled=all("gated_delta_rule" in v.families for v in variants))
     patches = verl_patches() if variants[0].verl else contextlib.nullcontext()
     with patches, contextlib.ExitStack() as stack:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -963,7 +968,10 @@ def capture_layers(model_class, cfg, variants: Sequence, tokens: int, dtype: tor
             model.norm = torch.nn.Identity()  # decoder layers only
         model.train(not inference)
         with torch.set_grad_enabled(not inference):
-            torch.compile(model, backend=backend, fullgraph=True)(inputs_embeds=inputs_embeds)
+            try:
+                torch.compile(model, backend=backend, fullgraph=True)(inputs_embeds=inputs_embeds)
+            finally:
+                deltanet.install(enabled=True)
     torch._dynamo.reset()
     return _handed_over(captured, inference, start)
 
@@ -974,9 +982,22 @@ def per_kind(kinds: Sequence[str], fn) -> dict:
     return {**values, "total": sum(values.values())}
 
 
-def per_layer_splits(build, variants: Sequence, inference: bool, counts=graph_counts, where: str = "") -> Iterator[tuple]:
+def capture_verl(variant) -> tuple[bool]:
+    """What a Dynamo capture is shared by: verl's patches on or off."""
+    return (variant.verl,)
+
+
+def capture_verl_deltanet(variant) -> tuple[bool, bool]:
+    """:func:`capture_verl` for models with a Gated DeltaNet: also whether its delta rule is substituted by
+    ``qwen_npu::chunk_gated_delta_rule`` while Dynamo traces (the ``gated_delta_rule`` family,
+    :mod:`qwen_npu_compile.integrations.deltanet`), which a capture fixes for all its variants."""
+    return variant.verl, "gated_delta_rule" in variant.families
+
+
+def per_layer_splits(build, variants: Sequence, inference: bool, counts=graph_counts, where: str = "",
+                     key=capture_verl) -> Iterator[tuple]:
     """The per-layer tables of the per-layer benchmarks (:mod:`benchmarks.moe_traffic`, :mod:`benchmarks.qwen3_5_traffic`):
-    per group of variants agreeing on ``verl``, ``build(1, group)`` and ``build(2, group)`` (captures of
+    per group of variants sharing a capture (``key``: :func:`capture_verl`), ``build(1, group)`` and ``build(2, group)`` (captures of
     :func:`capture_layers`); per variant, each graph kind's table (``counts``) of 2 layers minus that of 1.
 
     Yields:
@@ -986,8 +1007,8 @@ def per_layer_splits(build, variants: Sequence, inference: bool, counts=graph_co
         RuntimeError: a per-layer table went negative (the message names ``where`` before the graph kind).
     """
     kinds = _kinds(inference)
-    for verl in dict.fromkeys(v.verl for v in variants):
-        group = [v for v in variants if v.verl == verl]
+    for shared in dict.fromkeys(key(v) for v in variants):
+        group = [v for v in variants if key(v) == shared]
         one, two = build(1, group), build(2, group)
         for variant in group:
             g1, g2 = one[variant.name], two[variant.name]

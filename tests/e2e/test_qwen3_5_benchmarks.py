@@ -60,8 +60,10 @@ def test_fused_kernels_per_layer_kind(rows):
         "eager": {"forward": {}, "backward": {}},
         "verl": {"forward": {"npu.npu_rms_norm.default": 3}, "backward": {"npu.npu_rms_norm_backward.default": 3}},
         "qwen_npu": {
-            "forward": {"npu.npu_rms_norm.default": 3, "npu.npu_swiglu.default": 2, "qwen_npu.gate_up_proj.default": 1},
-            "backward": {"npu.npu_rms_norm_backward.default": 3, "npu.npu_swiglu_backward.default": 2}},
+            "forward": {"npu.npu_rms_norm.default": 3, "npu.npu_swiglu.default": 2, "qwen_npu.gate_up_proj.default": 1,
+                        "qwen_npu.chunk_gated_delta_rule.default": 1},
+            "backward": {"npu.npu_rms_norm_backward.default": 3, "npu.npu_swiglu_backward.default": 2,
+                         "qwen_npu.chunk_gated_delta_rule_backward.default": 1}},
     }
     assert got[FULL] == {
         "eager": {"forward": {}, "backward": {}},
@@ -81,7 +83,8 @@ def test_fused_kernels_per_layer_kind(rows):
 
 def test_fusions_per_layer(rows):
     """qwen_npu's rewrites per layer kind; eager and verl run no pass of ours."""
-    assert rows[LIN]["qwen_npu"]["fusions_per_layer"] == {"rms_norm_gated": 1, "rms_norm": 2, "swiglu": 1}
+    assert rows[LIN]["qwen_npu"]["fusions_per_layer"] == {"gated_delta_rule": 1, "rms_norm_gated": 1, "rms_norm": 2,
+                                                          "swiglu": 1}
     assert rows[FULL]["qwen_npu"]["fusions_per_layer"] == {"rms_norm": 4, "swiglu": 1, "rotary": 2, "attention": 1}
     for kind in (LIN, FULL):
         assert rows[kind]["eager"]["fusions_per_layer"] == {}
@@ -99,15 +102,25 @@ def test_verl_rows_keep_the_gate_eager_in_fp32(rows):
 
 
 def test_deltanet_flops_match_the_formula(rows, config):
-    """The chunked delta rule is traced ATen ops in every variant: the same bmm kernels and FLOPs (4·N + 1 forward:
+    """The chunked delta rule is traced ATen ops in eager and verl: the same bmm kernels and FLOPs (4·N + 1 forward:
     2 batched intra-chunk products and 4 per chunk in the scan, less the last chunk's dead state update), and 2
-    unit-triangular solves forward, with S·H·(C-1)·(dv + dk) vector FLOPs."""
+    unit-triangular solves forward, with S·H·(C-1)·(dv + dk) vector FLOPs. qwen_npu: one op each way, no bmm and no
+    solve kernel; the op's modelled Cube FLOPs are the algorithm's with the last state update (it returns the
+    final state), 3x that backward (recompute + 2x)."""
     expected = qwen3_5_traffic.expected_deltanet_flops(config, TOKENS)
     heads, dk, dv, c = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim,
                         qwen3_5_traffic.CHUNK)
     assert expected == {"bmm": TOKENS * heads * (4 * c * dk + 2 * c * dv + 6 * dk * dv) - 2 * c * heads * dk * dv,
                         "solve_triangular": TOKENS * heads * (c - 1) * (dv + dk)}
-    for name, row in rows[LIN].items():
+    op = {k: rows[LIN]["qwen_npu"]["by_op"][k][f"qwen_npu.chunk_gated_delta_rule{suffix}.default"]
+          for k, suffix in (("forward", ""), ("backward", "_backward"))}
+    full = expected["bmm"] + 2 * c * heads * dk * dv
+    assert (op["forward"]["kernels"], op["forward"]["flops"]) == (1, full)
+    assert (op["backward"]["kernels"], op["backward"]["flops"]) == (1, 3 * full)
+    assert rows[LIN]["qwen_npu"]["bmm"]["forward"]["kernels"] == 0
+    assert rows[LIN]["qwen_npu"]["solve_triangular"]["forward"]["kernels"] == 0
+    for name in ("eager", "verl"):
+        row = rows[LIN][name]
         assert row["bmm"]["forward"] == {"kernels": 4 * CHUNKS + 1, "flops": expected["bmm"]}, name
         assert row["solve_triangular"]["forward"]["kernels"] == 2, name
         assert row["solve_triangular"]["forward"]["vector_flops"] == expected["solve_triangular"], name

@@ -89,6 +89,7 @@ from qwen_npu_compile import canonicalize, emit, ensure_npu_ops
 from qwen_npu_compile.config import ALL_FAMILIES, QwenNpuConfig
 from qwen_npu_compile.fuse import fuse
 from qwen_npu_compile.fusion import CompileTarget
+from qwen_npu_compile.integrations import deltanet
 from qwen_npu_compile.npu_ops import gate_up_proj
 from qwen_npu_compile.npu_ops.limits import bound_arguments
 from qwen_npu_compile.check.models import resolve_model_config, tiny_qwen2_config, with_layers
@@ -932,7 +933,6 @@ def capture_layers(model_class, cfg, variants: Sequence, tokens: int, dtype: tor
     if len({v.verl for v in variants}) != 1:
         raise ValueError("variants sharing one capture must agree on verl's patches")
     ensure_npu_ops()
-    from qwen_npu_compile.integrations import deltanet
     captured: dict[str, dict] = {v.name: {"fusions": {}} for v in variants}
 
     def backend(gm: torch.fx.GraphModule, example_inputs):

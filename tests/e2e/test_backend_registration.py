@@ -55,4 +55,4 @@ def test_compile_by_name_fuses(npu_ops):
     torch.testing.assert_close(out, rms_norm(x, w), atol=2e-2, rtol=2e-2)
     from qwen_npu_compile import get_reports
 
-    assert [r.fusions for r in get_reports()] == [{"rms_norm_gated": 0, "moe": 0, "rms_norm": 1, "swiglu": 0, "rotary": 0, "attention": 0}]
+    assert [r.fusions for r in get_reports()] == [{"gated_delta_rule": 0, "rms_norm_gated": 0, "moe": 0, "rms_norm": 1, "swiglu": 0, "rotary": 0, "attention": 0}]

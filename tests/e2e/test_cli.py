@@ -131,7 +131,7 @@ def test_check_with_left_padding_and_dynamic_length(npu_ops, tiny_model_dir, tmp
     result = json.loads(out.read_text())
     assert status == 0, result["problems"]
     assert result["settings"]["left_padding"] == 3 and result["settings"]["dynamic"] is True
-    assert {f: row["fused"] for f, row in result["fusions"].items()} == {"rms_norm_gated": 0, "moe": 0, "rms_norm": 5, "swiglu": 2, "rotary": 4, "attention": 2}
+    assert {f: row["fused"] for f, row in result["fusions"].items()} == {"gated_delta_rule": 0, "rms_norm_gated": 0, "moe": 0, "rms_norm": 5, "swiglu": 2, "rotary": 4, "attention": 2}
     assert result["parity"]["logits"]["ok"] and result["parity"]["gradients"]["ok"]
 
 

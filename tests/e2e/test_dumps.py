@@ -67,8 +67,8 @@ def test_each_dump_folder_summarises_only_its_own_graphs(npu_ops, tmp_path):
     )
     a = json.loads((tmp_path / "a" / "summary.json").read_text())
     b = json.loads((tmp_path / "b" / "summary.json").read_text())
-    assert [g["fusions"] for g in a["graphs"]] == [{"rms_norm_gated": 0, "moe": 0, "rms_norm": 1, "swiglu": 0, "rotary": 0, "attention": 0}]
-    assert a["totals"] == {"rms_norm_gated": 0, "moe": 0, "rms_norm": 1, "swiglu": 0, "rotary": 0, "attention": 0}
+    assert [g["fusions"] for g in a["graphs"]] == [{"gated_delta_rule": 0, "rms_norm_gated": 0, "moe": 0, "rms_norm": 1, "swiglu": 0, "rotary": 0, "attention": 0}]
+    assert a["totals"] == {"gated_delta_rule": 0, "rms_norm_gated": 0, "moe": 0, "rms_norm": 1, "swiglu": 0, "rotary": 0, "attention": 0}
     assert a["variants"] == {"rms_norm_fp32": 1}
     assert [g["fusions"] for g in b["graphs"]] == [{"swiglu": 0}]
     assert b["totals"] == {"swiglu": 0} and b["variants"] == {}

@@ -175,7 +175,7 @@ def test_unprovable_sin_with_head_dim_16_fuses_with_the_aten_backward(npu_ops, t
     backward converter's D % 64, so the forward is fused and the backward is HF's in ATen ops; the
     gradient is exact for a sin with unequal halves too (where the orthogonal form would be wrong)."""
     report = _compile_bsnd(16, equal_halves=equal_halves)
-    assert report.fusions == {"rms_norm_gated": 0, "moe": 0, "rms_norm": 0, "swiglu": 0, "rotary": 1, "attention": 0}
+    assert report.fusions == {"gated_delta_rule": 0, "rms_norm_gated": 0, "moe": 0, "rms_norm": 0, "swiglu": 0, "rotary": 1, "attention": 0}
     assert _refusals(report, "rotary") == []
     graphs = torchair_target_on_aot_eager
     assert count_calls(graphs["forward"], ATEN_BACKWARD) == 1 and count_calls(graphs["forward"], ORTHOGONAL) == 0
@@ -302,7 +302,7 @@ def test_training_graph_converts_with_torchair(npu_ops, hidden, dynamic):
     ConcatD of gate_up_proj's two matmuls."""
     [report] = _convert(hidden, "bfloat16", dynamic)
     assert report["failures"] == []
-    assert report["fusions"] == {"rms_norm_gated": 0, "moe": 0, "rms_norm": 3, "swiglu": 1, "rotary": 2, "attention": 1}
+    assert report["fusions"] == {"gated_delta_rule": 0, "rms_norm_gated": 0, "moe": 0, "rms_norm": 3, "swiglu": 1, "rotary": 2, "attention": 1}
     ops = {g["kind"]: g["ops"] for g in report["graphs"]}
     assert ops["forward"]["FlashAttentionScore"] == 1 and ops["forward"]["RotaryMul"] == 2
     assert ops["backward"]["FlashAttentionScoreGrad"] == 1 and ops["backward"]["RotaryMul"] == 2

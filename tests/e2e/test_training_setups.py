@@ -22,6 +22,9 @@ from qwen_npu_compile.report import SUMMARY
 
 ISSUE = dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, vocab_size=256)
 LAYERS = 2
+#: what a dense Qwen2 of LAYERS layers fuses: the families it has nothing of at 0
+DENSE_FUSIONS = dict(gated_delta_rule=0, rms_norm_gated=0, moe=0, rms_norm=2 * LAYERS + 1, swiglu=LAYERS, rotary=2 * LAYERS,
+                     attention=LAYERS)
 BATCH, SEQ = 2, 12
 
 
@@ -133,7 +136,7 @@ def test_autocast_bf16_fuses_every_family(attn):
         eager = run_model(model, model, ids, True)
         compiled = run_model(model, torch.compile(model, backend="qwen_npu"), ids, True)
     reports = list(SUMMARY.graphs)
-    assert _totals(reports) == {"rms_norm_gated": 0, "moe": 0, "rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS, "rotary": 2 * LAYERS, "attention": LAYERS}
+    assert _totals(reports) == DENSE_FUSIONS
     assert [r.reason for report in reports for r in report.refused] == []
     assert compiled[0].dtype == eager[0].dtype
     assert_runs_match(compiled, eager, fp32)  # half precision: judged against the fp32 run
@@ -223,7 +226,7 @@ def test_check_autocast_on_qwen3(npu_ops, tmp_path, capsys):
     assert status == 0, capsys.readouterr().out
     assert result["settings"]["autocast"] is True and result["settings"]["grad_checkpointing"] is False
     assert {f: row["fused"] for f, row in result["fusions"].items()} == {
-        "rms_norm_gated": 0, "moe": 0, "rms_norm": 4 * LAYERS + 1, "swiglu": LAYERS, "rotary": 2 * LAYERS, "attention": LAYERS}
+        "gated_delta_rule": 0, "rms_norm_gated": 0, "moe": 0, "rms_norm": 4 * LAYERS + 1, "swiglu": LAYERS, "rotary": 2 * LAYERS, "attention": LAYERS}
     assert cli.main(["check", str(_tiny_dir(tmp_path)), "--autocast", "--dtype", "fp32"]) == 2
 
 
@@ -252,7 +255,7 @@ def test_eager_left_padding_matches_eager_on_every_row(dtype):
     eager = run(model, model)
     compiled = run(model, torch.compile(model, backend="qwen_npu"))
     reports = list(SUMMARY.graphs)
-    assert _totals(reports) == {"rms_norm_gated": 0, "moe": 0, "rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS, "rotary": 2 * LAYERS, "attention": LAYERS}
+    assert _totals(reports) == DENSE_FUSIONS
     reference = None
     if dtype != torch.float32:
         reference = tiny_qwen2(dtype=torch.float32, attn="eager", **ISSUE)
@@ -297,7 +300,7 @@ def test_whole_model_gradient_checkpointing_fuses_inside_the_regions(dtype, capl
         assert len([r for r in caplog.records if r.name.startswith("qwen_npu_compile")]) == 1
         return
     assert report.fallback is None
-    assert report.fusions == {"rms_norm_gated": 0, "moe": 0, "rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS, "rotary": 2 * LAYERS, "attention": LAYERS}
+    assert report.fusions == DENSE_FUSIONS
     assert report.refused == []
     backward = report.aot_ops["backward"]
     assert {op: backward.get(op, 0) for op in RECOMPUTED} == RECOMPUTED
@@ -315,7 +318,7 @@ def test_whole_model_gradient_checkpointing_eager_attention_fuses(dtype):
     if INLINES_REGIONS:
         assert [r.fallback.startswith(INLINED) for r in reports] == [True]
         return
-    assert _totals(reports) == {"rms_norm_gated": 0, "moe": 0, "rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS, "rotary": 2 * LAYERS, "attention": LAYERS}
+    assert _totals(reports) == DENSE_FUSIONS
     assert _reasons(reports, "attention") == []
     [report] = reports
     backward = report.aot_ops["backward"]
@@ -363,7 +366,7 @@ def test_whole_model_gradient_checkpointing_dynamic_shapes():
     assert_runs_match(compiled, eager)
     [report] = SUMMARY.graphs
     assert report.fallback is None
-    assert report.fusions == {"rms_norm_gated": 0, "moe": 0, "rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS, "rotary": 2 * LAYERS, "attention": LAYERS}
+    assert report.fusions == DENSE_FUSIONS
     backward = report.aot_ops["backward"]
     assert {op: backward.get(op, 0) for op in RECOMPUTED} == RECOMPUTED
 
@@ -388,7 +391,7 @@ def test_whole_model_selective_checkpointing_policy_sees_the_fused_ops():
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
         "use_reentrant": False, "context_fn": functools.partial(create_selective_checkpoint_contexts, policy)})
     [report] = _train_parity(model)
-    assert report.fusions == {"rms_norm_gated": 0, "moe": 0, "rms_norm": 2 * LAYERS + 1, "swiglu": LAYERS, "rotary": 2 * LAYERS, "attention": LAYERS}
+    assert report.fusions == DENSE_FUSIONS
     backward = report.aot_ops["backward"]
     assert {op: backward.get(op, 0) for op in RECOMPUTED} == dict(RECOMPUTED, npu_rms_norm=0)
     assert "npu.npu_rms_norm.default" in asked

@@ -369,5 +369,5 @@ def test_fp16_fuses_every_family(npu_ops, attn):
         compiled = torch.compile(model, backend="qwen_npu")(ids).logits.float()
     assert ((compiled - eager).norm() / eager.norm()).item() < 1e-2
     (report,) = get_reports()
-    assert report.fusions == {"rms_norm_gated": 0, "moe": 0, "rms_norm": 5, "swiglu": 2, "rotary": 4, "attention": 2}
+    assert report.fusions == {"gated_delta_rule": 0, "rms_norm_gated": 0, "moe": 0, "rms_norm": 5, "swiglu": 2, "rotary": 4, "attention": 2}
     assert [r for r in report.refused if r.family in report.families] == []

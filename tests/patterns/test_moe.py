@@ -149,10 +149,10 @@ def test_training_graphs_convert_for_ge_off_npu(simulated_npu_ops, ge_cases, fam
 
 #: preset -> (published total parameters, in billions; the model cards), the family's expected counts (whole model).
 PRESETS = {
-    "qwen3-30b-a3b": (30.5, {"rms_norm_gated": 0, "rms_norm": 4 * 48 + 1, "moe": 2 * 48, "swiglu": 0, "rotary": 2 * 48, "attention": 48}),
-    "qwen3-235b-a22b": (235.0, {"rms_norm_gated": 0, "rms_norm": 4 * 94 + 1, "moe": 2 * 94, "swiglu": 0, "rotary": 2 * 94, "attention": 94}),
-    "qwen1.5-moe-a2.7b": (14.3, {"rms_norm_gated": 0, "rms_norm": 2 * 24 + 1, "moe": 2 * 24, "swiglu": 24, "rotary": 2 * 24, "attention": 24}),
-    "qwen2-57b-a14b": (57.4, {"rms_norm_gated": 0, "rms_norm": 2 * 28 + 1, "moe": 2 * 28, "swiglu": 28, "rotary": 2 * 28, "attention": 28}),
+    "qwen3-30b-a3b": (30.5, {"gated_delta_rule": 0, "rms_norm_gated": 0, "rms_norm": 4 * 48 + 1, "moe": 2 * 48, "swiglu": 0, "rotary": 2 * 48, "attention": 48}),
+    "qwen3-235b-a22b": (235.0, {"gated_delta_rule": 0, "rms_norm_gated": 0, "rms_norm": 4 * 94 + 1, "moe": 2 * 94, "swiglu": 0, "rotary": 2 * 94, "attention": 94}),
+    "qwen1.5-moe-a2.7b": (14.3, {"gated_delta_rule": 0, "rms_norm_gated": 0, "rms_norm": 2 * 24 + 1, "moe": 2 * 24, "swiglu": 24, "rotary": 2 * 24, "attention": 24}),
+    "qwen2-57b-a14b": (57.4, {"gated_delta_rule": 0, "rms_norm_gated": 0, "rms_norm": 2 * 28 + 1, "moe": 2 * 28, "swiglu": 28, "rotary": 2 * 28, "attention": 28}),
 }
 
 

@@ -854,11 +854,7 @@ def build_graphs(
         return gm.forward  # both graphs are recorded; Dynamo runs the captured graph once, on fake tensors
 
     start = time.perf_counter()
-    torch._dynamo.reset()
-    # the DeltaNet substitution is decided while Dynamo traces: on only if every variant of the capture has the family
-    deltanet.install(enabled=all("gated_delta_rule" in v.families for v in variants))
-    patches = verl_patches() if variants[0].verl else contextlib.nullcontext()
-    with patches, contextlib.ExitStack() as stack:
+    with fresh_capture(variants), contextlib.ExitStack() as stack:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         kwargs = {}
         with fake_mode:
@@ -908,6 +904,15 @@ class LayerVariant:
     description: str
 
 
+def fresh_capture(variants: Sequence[LayerVariant]) -> contextlib.AbstractContextManager:
+    """Reset Dynamo and set up what a new capture of ``variants`` traces; returns verl's patches for the caller to
+    enter (a null context for non-verl variants). The DeltaNet substitution is decided while Dynamo traces, so it is
+    installed here for the whole capture: on only if every variant has the ``gated_delta_rule`` family."""
+    torch._dynamo.reset()
+    deltanet.install(enabled=all("gated_delta_rule" in v.families for v in variants))
+    return verl_patches() if variants[0].verl else contextlib.nullcontext()
+
+
 def capture_layers(model_class, cfg, variants: Sequence, tokens: int, dtype: torch.dtype, inference: bool,
                    verl_patches, *, canonical=lambda variant: True) -> dict[str, dict]:
     """Capture the decoder layers of ``model_class`` built from ``cfg`` once under fake tensors (one row of
@@ -953,11 +958,7 @@ def capture_layers(model_class, cfg, variants: Sequence, tokens: int, dtype: tor
         return gm.forward
 
     start = time.perf_counter()
-    torch._dynamo.reset()
-    # the DeltaNet substitution is decided while Dynamo traces: on only if every variant of the capture has the family
-    deltanet.install(enabled=all("gated_delta_rule" in v.families for v in variants))
-    patches = verl_patches() if variants[0].verl else contextlib.nullcontext()
-    with patches, contextlib.ExitStack() as stack:
+    with fresh_capture(variants), contextlib.ExitStack() as stack:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         with fake_mode:
             model = model_class._from_config(cfg, attn_implementation="sdpa", dtype=dtype)

@@ -67,12 +67,7 @@ class GatedDeltaRuleFamily(FusionFamily):
     anchor_ops = (aten.linalg_solve_triangular.default,)
     fused_op_names = ()  # a qwen_npu op, counted by the pass
     backward_op_name = ""
-
-    @classmethod
-    def expected_per_layer(cls, model_config, layer_type: str | None = None) -> int:
-        """1 in a linear-attention layer of :data:`DELTANET_MODEL_TYPES`, else 0."""
-        hybrid = getattr(model_config, "model_type", None) in DELTANET_MODEL_TYPES
-        return 1 if hybrid and layer_type == "linear_attention" else 0
+    per_linear_attention_layer_of = frozenset(DELTANET_MODEL_TYPES)
 
     @classmethod
     def backward_op_counts(cls, fusions: int) -> dict[str, int]:

@@ -44,12 +44,7 @@ as ``1 + w``, everything in fp32, one cast at the end::
 
 FX before (bf16; in fp32 the two ``to`` casts are no-ops and are removed)::
 
-    to = aten.to.dtype(x, torch.float32)
-    pow_1 = aten.pow.Tensor_Scalar(to, 2)
-    mean = aten.mean.dim(pow_1, [-1], True)
-    add = aten.add.Tensor(mean, eps)
-    rsqrt = aten.rsqrt.default(add)
-    mul = aten.mul.Tensor(to, rsqrt)
+    ...                                                       # to, pow_1, mean, add, rsqrt, mul: as above
     to_1 = aten.to.dtype(weight, torch.float32)               # outside the pattern: its ``weight`` input
     add_1 = aten.add.Tensor(to_1, 1.0)
     mul_1 = aten.mul.Tensor(mul, add_1)
@@ -107,7 +102,8 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from qwen_npu_compile.fusion import FamilyPass, FusionFamily, PatternVariant, graph_needs_autograd, meta_val, node_source
+from qwen_npu_compile.fusion import (FamilyPass, FusionFamily, graph_needs_autograd, meta_val, node_source,
+                                     per_dtype_family)
 from qwen_npu_compile.npu_ops.add_rms_norm import add_rms_norm_violation
 from qwen_npu_compile.npu_ops.rms_norm import rms_norm_violation
 from qwen_npu_compile.npu_ops.scalars import scalar_argument
@@ -357,27 +353,20 @@ class RmsNormFamily(FusionFamily):
 
     def iter_variants(self):
         # (1 + w) first: Qwen3.5 / Qwen3-Next; one per dtype family of x (w's cast is outside the pattern).
-        for label, dtype in (("half", torch.bfloat16), ("fp32", torch.float32)):
-            yield PatternVariant(
-                name=f"rms_norm_one_plus_weight_{label}",
-                search_fn=_search_one_plus,
-                replace_fn=_replace_one_plus,
-                example_inputs=lambda dtype=dtype: [torch.empty(2, 4, 16, dtype=dtype), torch.empty(16), 1e-6],
-                check=_check_one_plus,
-                scalar_workaround={"eps": 1e-6},
-                why=("Qwen3_5RMSNorm / Qwen3NextRMSNorm (transformers 5.24.0, 4.57.6): fp32 x * (1 + w.float()), "
-                     + ("type_as a bf16/fp16 x" if label == "half" else "fp32 activations (no-op casts removed)")),
-            )
-        # One variant per dtype family, because the normalised graphs differ structurally:
-        # half precision casts to fp32 and back; in fp32 both casts are no-ops and are removed.
-        for label, dtype in (("half", torch.bfloat16), ("fp32", torch.float32)):
-            yield PatternVariant(
-                name=f"rms_norm_{label}",
-                search_fn=_search,
-                replace_fn=_replace,
-                example_inputs=lambda dtype=dtype: [torch.empty(2, 4, 16, dtype=dtype), torch.empty(16, dtype=dtype), 1e-6],
-                check=_check,
-                # eps is a literal in static graphs and a graph input under dynamic=True: never bake it in.
-                scalar_workaround={"eps": 1e-6},
-                why="fp16/bf16 activations" if label == "half" else "fp32 activations (no-op casts removed)",
-            )
+        yield from per_dtype_family(
+            "rms_norm_one_plus_weight",
+            lambda dtype: [torch.empty(2, 4, 16, dtype=dtype), torch.empty(16), 1e-6],
+            why={"half": "Qwen3_5RMSNorm / Qwen3NextRMSNorm (transformers 5.24.0, 4.57.6): fp32 x * (1 + w.float()), "
+                         "type_as a bf16/fp16 x",
+                 "fp32": "Qwen3_5RMSNorm / Qwen3NextRMSNorm (transformers 5.24.0, 4.57.6): fp32 x * (1 + w.float()), "
+                         "fp32 activations (no-op casts removed)"},
+            search_fn=_search_one_plus, replace_fn=_replace_one_plus, check=_check_one_plus,
+            scalar_workaround={"eps": 1e-6},
+        )
+        # eps is a literal in static graphs and a graph input under dynamic=True: never bake it in.
+        yield from per_dtype_family(
+            "rms_norm",
+            lambda dtype: [torch.empty(2, 4, 16, dtype=dtype), torch.empty(16, dtype=dtype), 1e-6],
+            why={"half": "fp16/bf16 activations", "fp32": "fp32 activations (no-op casts removed)"},
+            search_fn=_search, replace_fn=_replace, check=_check, scalar_workaround={"eps": 1e-6},
+        )

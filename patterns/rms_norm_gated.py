@@ -15,12 +15,7 @@ reshaped to ``[B·S·Nv, Dv]``)::
 
 FX before (pre-dispatch ATen, bf16; in fp32 the four casts are no-ops and are removed)::
 
-    to = aten.to.dtype(h, torch.float32)
-    pow_1 = aten.pow.Tensor_Scalar(to, 2)
-    mean = aten.mean.dim(pow_1, [-1], True)
-    add = aten.add.Tensor(mean, eps)
-    rsqrt = aten.rsqrt.default(add)
-    mul = aten.mul.Tensor(to, rsqrt)
+    ...                                   # to(h), pow_1, mean, add, rsqrt, mul: as in patterns/rms_norm.py
     to_1 = aten.to.dtype(mul, torch.bfloat16)
     mul_1 = aten.mul.Tensor(weight, to_1)
     to_2 = aten.to.dtype(gate, torch.float32)
@@ -68,7 +63,7 @@ import operator
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from qwen_npu_compile.fusion import EMITTED_BY, FamilyPass, FusionFamily, PatternVariant, meta_val
+from qwen_npu_compile.fusion import EMITTED_BY, FamilyPass, FusionFamily, meta_val, per_dtype_family
 from qwen_npu_compile.npu_ops.rms_norm import rms_norm_violation
 from qwen_npu_compile.npu_ops.scalars import scalar_argument
 from qwen_npu_compile.npu_ops.swiglu import swiglu_violation
@@ -184,14 +179,8 @@ class RmsNormGatedFamily(FusionFamily):
     anchor_ops = (aten.silu.default,)
     fused_op_names = ()  # npu_rms_norm and npu_swiglu are counted as already fused by rms_norm and swiglu
     backward_op_name = "npu_rms_norm_backward"
-    per_layer = 0
+    per_linear_attention_layer_of = GATED_NORM_MODEL_TYPES
     pass_class = RmsNormGatedPass
-
-    @classmethod
-    def expected_per_layer(cls, model_config, layer_type: str | None = None) -> int:
-        """1 in a linear-attention layer of :data:`GATED_NORM_MODEL_TYPES`, else 0."""
-        hybrid = getattr(model_config, "model_type", None) in GATED_NORM_MODEL_TYPES
-        return 1 if hybrid and layer_type == "linear_attention" else 0
 
     @classmethod
     def backward_op_counts(cls, fusions: int) -> dict[str, int]:
@@ -201,16 +190,12 @@ class RmsNormGatedFamily(FusionFamily):
     def iter_variants(self):
         # One variant per dtype family: half precision casts h, the product and gate; in fp32 all are no-ops.
         # A bf16 h with an fp32 weight (autocast) traces as the half graph (the weight is never cast).
-        for label, dtype in (("half", torch.bfloat16), ("fp32", torch.float32)):
-            yield PatternVariant(
-                name=f"rms_norm_gated_{label}",
-                search_fn=_search,
-                replace_fn=_replace,
-                example_inputs=lambda dtype=dtype: [torch.empty(8, 16, dtype=dtype), torch.empty(8, 16, dtype=dtype),
-                                                    torch.empty(16, dtype=dtype), 1e-6],
-                check=_check,
-                scalar_workaround={"eps": 1e-6},
-                why=("Qwen3_5RMSNormGated / Qwen3NextRMSNormGated (transformers 5.24.0, 4.57.6), the Gated "
-                     "DeltaNet's output norm: " + ("bf16/fp16 h and gate" if label == "half"
-                                                   else "fp32 (no-op casts removed)")),
-            )
+        why = ("Qwen3_5RMSNormGated / Qwen3NextRMSNormGated (transformers 5.24.0, 4.57.6), the Gated DeltaNet's "
+               "output norm: ")
+        yield from per_dtype_family(
+            "rms_norm_gated",
+            lambda dtype: [torch.empty(8, 16, dtype=dtype), torch.empty(8, 16, dtype=dtype),
+                           torch.empty(16, dtype=dtype), 1e-6],
+            why={"half": why + "bf16/fp16 h and gate", "fp32": why + "fp32 (no-op casts removed)"},
+            search_fn=_search, replace_fn=_replace, check=_check, scalar_workaround={"eps": 1e-6},
+        )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import inspect
 import logging
 import time
@@ -77,6 +78,24 @@ class PatternVariant:
     anchor_ops: tuple = ()
 
 
+#: The dtype families a normalisation traces to: half precision casts to fp32 and back; in fp32 the casts are
+#: no-ops and are removed, so the two graphs differ structurally. Each with the dtype its pattern is traced in.
+DTYPE_FAMILIES = (("half", torch.bfloat16), ("fp32", torch.float32))
+
+
+def per_dtype_family(name: str, example_inputs: Callable[[torch.dtype], Sequence[object]], why: dict[str, str],
+                     **fields: Any) -> Iterator[PatternVariant]:
+    """One :class:`PatternVariant` per :data:`DTYPE_FAMILIES` entry: named ``f"{name}_{label}"``, traced on
+    ``example_inputs(dtype)``, explained by ``why[label]``; ``fields`` (search, replace, check, ...) shared.
+
+    Raises:
+        KeyError: ``why`` lacks a label (``"half"``, ``"fp32"``).
+    """
+    for label, dtype in DTYPE_FAMILIES:
+        yield PatternVariant(name=f"{name}_{label}", example_inputs=functools.partial(example_inputs, dtype),
+                             why=why[label], **fields)
+
+
 def layer_kinds(model_config: Any) -> list[str | None]:
     """Each decoder layer's kind, in order: ``model_config.layer_types[:num_hidden_layers]`` where a hybrid
     config has them (Qwen3.5 / Qwen3-Next: ``"linear_attention"`` / ``"full_attention"``; transformers
@@ -108,6 +127,9 @@ class FusionFamily:
             when training (``npu_rms_norm_backward``).
         backward_per_fusion: how many times it does per fusion (moe: 2, dx and dW, both ``npu_grouped_matmul``).
         per_layer: fusions in one decoder layer of a Qwen2 model (see :meth:`expected_per_layer`).
+        per_linear_attention_layer_of: ``model_type`` values in whose linear-attention layers the family
+            fuses exactly once, and nowhere else (the Gated DeltaNet's parts of Qwen3.5 / Qwen3-Next); when
+            set, it replaces ``per_layer`` for every model.
         outside_layers: fusions of a whole model outside its decoder layers (the final norm: 1).
         pass_class: the :class:`FamilyPass` subclass that runs the family (None: ``FamilyPass``).
     """
@@ -118,6 +140,7 @@ class FusionFamily:
     backward_op_name: str = ""
     backward_per_fusion: int = 1
     per_layer: int = 0
+    per_linear_attention_layer_of: frozenset[str] = frozenset()
     outside_layers: int = 0
     pass_class: type[FamilyPass] | None = None
 
@@ -130,6 +153,9 @@ class FusionFamily:
             layer_type: the layer's entry of ``model_config.layer_types`` in hybrid models (Qwen3.5,
                 Qwen3-Next: ``"linear_attention"`` or ``"full_attention"``); None for uniform models.
         """
+        if cls.per_linear_attention_layer_of:
+            hybrid = getattr(model_config, "model_type", None) in cls.per_linear_attention_layer_of
+            return 1 if hybrid and layer_type == "linear_attention" else 0
         return cls.per_layer
 
     @classmethod

@@ -29,36 +29,21 @@ from __future__ import annotations
 
 import torch
 
+from . import rotary_mul_orthogonal
+
 #: The op's qualified name.
 NAME = "qwen_npu::rotary_mul_aten_backward"
 
 
 @torch.library.custom_op(NAME, mutates_args=())
 def rotary_mul_aten_backward(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor) -> torch.Tensor:
-    """``npu_rotary_mul(x, r1, r2, 'half')`` with the ATen input gradient (module docstring).
-
-    Args:
-        x: ``[B, S, N, D]`` or ``[B, N, S, D]`` (any layout ``npu_rotary_mul`` takes); fp16/bf16/fp32.
-        r1: cos, x's dtype and rank, broadcast to x.
-        r2: sin, r1's shape. r1/r2 must need no grad (the caller proves it from the graph).
-
-    Returns:
-        x's shape and dtype.
-
-    Raises:
-        RuntimeError: whatever ``npu_rotary_mul`` raises; in backward, r1/r2 needing grad.
-    """
-    return torch.ops.npu.npu_rotary_mul.default(x, r1, r2, "half")
+    """``npu_rotary_mul(x, r1, r2, 'half')`` with the ATen input gradient (module docstring). Shapes, dtypes and
+    errors: :func:`~qwen_npu_compile.npu_ops.rotary_mul_orthogonal.rotary_mul_orthogonal`'s, without its condition
+    on sin's halves."""
+    return rotary_mul_orthogonal.npu_rotary_mul_half(x, r1, r2)
 
 
-@rotary_mul_aten_backward.register_fake
-def _fake(x, r1, r2):
-    return torch.ops.npu.npu_rotary_mul.default(x, r1, r2, "half")
-
-
-def _setup_context(ctx, inputs, output):
-    _, r1, r2 = inputs
-    ctx.save_for_backward(r1, r2)
+rotary_mul_aten_backward.register_fake(rotary_mul_orthogonal.npu_rotary_mul_half)
 
 
 def rotate_half_transposed(y: torch.Tensor) -> torch.Tensor:
@@ -75,7 +60,7 @@ def _backward(ctx, grad):
     return grad * r1 + rotate_half_transposed(grad * r2), None, None
 
 
-rotary_mul_aten_backward.register_autograd(_backward, setup_context=_setup_context)
+rotary_mul_aten_backward.register_autograd(_backward, setup_context=rotary_mul_orthogonal.save_cos_sin)
 
 #: The op overload graphs hold.
 OP = torch.ops.qwen_npu.rotary_mul_aten_backward.default

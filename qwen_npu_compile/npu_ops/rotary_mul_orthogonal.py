@@ -44,15 +44,20 @@ def rotary_mul_orthogonal(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor) -
     Raises:
         RuntimeError: whatever ``npu_rotary_mul`` raises; in backward, r1/r2 needing grad.
     """
+    return npu_rotary_mul_half(x, r1, r2)
+
+
+def npu_rotary_mul_half(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor) -> torch.Tensor:
+    """The forward and fake kernel of this op and of ``qwen_npu::rotary_mul_aten_backward``:
+    ``npu_rotary_mul(x, r1, r2, 'half')`` (real torch_npu or the stand-in; on fake tensors its meta kernel)."""
     return torch.ops.npu.npu_rotary_mul.default(x, r1, r2, "half")
 
 
-@rotary_mul_orthogonal.register_fake
-def _fake(x, r1, r2):
-    return torch.ops.npu.npu_rotary_mul.default(x, r1, r2, "half")
+rotary_mul_orthogonal.register_fake(npu_rotary_mul_half)
 
 
-def _setup_context(ctx, inputs, output):
+def save_cos_sin(ctx, inputs, output) -> None:
+    """``setup_context`` of both rotary ops: saves r1/r2 (cos/sin) for the backward."""
     _, r1, r2 = inputs
     ctx.save_for_backward(r1, r2)
 
@@ -66,7 +71,7 @@ def _backward(ctx, grad):
     return rotary_mul_orthogonal(grad, r1, torch.neg(r2)), None, None
 
 
-rotary_mul_orthogonal.register_autograd(_backward, setup_context=_setup_context)
+rotary_mul_orthogonal.register_autograd(_backward, setup_context=save_cos_sin)
 
 #: The op overload graphs hold.
 OP = torch.ops.qwen_npu.rotary_mul_orthogonal.default

@@ -5,13 +5,15 @@
 * ``check`` refuses what it cannot check, and a broken model folder, with exit 2 and one line;
 * ``report`` reads the graphs ``summary.json`` names and says when a folder holds graphs of other runs;
 * refusal warnings name the reason; ``check`` groups identical refusal lines;
-* ``--help``, argument errors and ``report`` import no torch.
+* ``--help``, argument errors and ``report`` import no torch;
+* the README's first examples print exactly what the README shows.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -323,3 +325,44 @@ def test_the_graph_line_tells_refusals_from_disabled_families():
     assert "left to disabled families: swiglu 2, rotary 1" in line and "refused" not in line, line
     line = _report([("rms_norm", "weight dtype float64 is not supported")]).log_line()
     assert "1 refused (first: rms_norm: weight dtype float64 is not supported at modeling_x.py:42)" in line, line
+
+
+# --- the README's first screen runs and prints what it shows ----------------------------------------------
+
+
+def _readme_blocks(section: str) -> list[tuple[str, str]]:
+    """The fenced blocks of the README section titled ``section``: ``[(language, text), ...]`` in order."""
+    text = (REPO / "README.md").read_text()
+    start = text.index(f"\n## {section}\n")
+    end = text.index("\n## ", start + 1)
+    parts = text[start:end].split("```")
+    return [(p.split("\n", 1)[0].strip(), p.split("\n", 1)[1]) for p in parts[1::2]]
+
+
+def _run_script(source: str, tmp_path: Path) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QWEN_NPU_")}
+    script = tmp_path / "readme_example.py"
+    script.write_text(source)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = (done.stderr + done.stdout).splitlines()
+    return [line for line in lines if not line.startswith(("  ", "warnings.warn"))
+            and "Warning:" not in line]  # library deprecation warnings are not ours to pin
+
+
+def test_the_readme_fused_training_step_prints_what_it_shows(tmp_path):
+    """The README's first example, run as a user pastes it, prints exactly the lines the README shows."""
+    (code, source), (_, shown) = _readme_blocks("A fused training step in your code")
+    assert code == "python"
+    assert _run_script(source, tmp_path) == shown.strip().splitlines()
+
+
+def test_the_readme_maybe_compile_example_prints_what_it_shows(tmp_path):
+    """``maybe_compile`` as the README shows it, on the first example's model: its log lines, exactly."""
+    (_, first), _ = _readme_blocks("A fused training step in your code")
+    (code, source), (_, shown) = _readme_blocks("Per decoder layer, as verl's worker does: `maybe_compile`")
+    assert code == "python"
+    setup = "\n".join(line for line in first.splitlines()
+                      if "compiled" not in line and "get_reports" not in line)  # the model, not its torch.compile
+    assert _run_script(setup + "\n" + source, tmp_path) == shown.strip().splitlines()

@@ -904,13 +904,16 @@ class LayerVariant:
     description: str
 
 
-def fresh_capture(variants: Sequence[LayerVariant]) -> contextlib.AbstractContextManager:
-    """Reset Dynamo and set up what a new capture of ``variants`` traces; returns verl's patches for the caller to
-    enter (a null context for non-verl variants). The DeltaNet substitution is decided while Dynamo traces, so it is
-    installed here for the whole capture: on only if every variant has the ``gated_delta_rule`` family."""
+@contextlib.contextmanager
+def fresh_capture(variants: Sequence[LayerVariant], patches=verl_patches) -> Iterator[None]:
+    """Reset Dynamo and, inside the block, what a new capture of ``variants`` traces: ``patches()`` (verl's patches of
+    the model code captured; Qwen2's by default) for verl variants, and the DeltaNet substitution, decided while
+    Dynamo traces, so set for the whole capture: on only if every variant has the ``gated_delta_rule`` family. The
+    substitution's previous setting is restored on exit (it is process-wide: later compiles must not inherit it)."""
     torch._dynamo.reset()
-    deltanet.install(enabled=all("gated_delta_rule" in v.families for v in variants))
-    return verl_patches() if variants[0].verl else contextlib.nullcontext()
+    with deltanet.switched(all("gated_delta_rule" in v.families for v in variants)):
+        with patches() if variants[0].verl else contextlib.nullcontext():
+            yield
 
 
 def capture_layers(model_class, cfg, variants: Sequence, tokens: int, dtype: torch.dtype, inference: bool,
@@ -958,7 +961,7 @@ def capture_layers(model_class, cfg, variants: Sequence, tokens: int, dtype: tor
         return gm.forward
 
     start = time.perf_counter()
-    with fresh_capture(variants), contextlib.ExitStack() as stack:
+    with fresh_capture(variants, verl_patches), contextlib.ExitStack() as stack:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         with fake_mode:
             model = model_class._from_config(cfg, attn_implementation="sdpa", dtype=dtype)
@@ -969,10 +972,7 @@ def capture_layers(model_class, cfg, variants: Sequence, tokens: int, dtype: tor
             model.norm = torch.nn.Identity()  # decoder layers only
         model.train(not inference)
         with torch.set_grad_enabled(not inference):
-            try:
-                torch.compile(model, backend=backend, fullgraph=True)(inputs_embeds=inputs_embeds)
-            finally:
-                deltanet.install(enabled=True)
+            torch.compile(model, backend=backend, fullgraph=True)(inputs_embeds=inputs_embeds)
     torch._dynamo.reset()
     return _handed_over(captured, inference, start)
 

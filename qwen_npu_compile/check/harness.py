@@ -15,6 +15,7 @@ import time
 import torch
 
 from ..config import ALL_FAMILIES, QwenNpuConfig
+from ..integrations import deltanet
 from .. import patterns
 from ..patterns import expected_fusions  # noqa: F401  (the harness's public name)
 from ..torch_compiler import torch_compile
@@ -247,7 +248,8 @@ def run_check(args: argparse.Namespace) -> dict:
         stages.begin(what)
         compiled_run = None  # the first run's logits and gradients go before the second run makes its own
         start = time.perf_counter()
-        with amp():
+        # the DeltaNet substitution is read while Dynamo traces, before the backend sees the options: set from them
+        with amp(), deltanet.switched("gated_delta_rule" in fusions):
             compiled_run = run_model(model, compiled, input_ids, train, attention_mask, labels)
         seconds.append(time.perf_counter() - start)
         stages.end()

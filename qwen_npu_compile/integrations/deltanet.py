@@ -35,11 +35,13 @@ warning naming the versions, and the code runs as before. Nothing here crashes a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
 import sys
 import types
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -333,6 +335,18 @@ class _InstallAfterImport:
 def _watch_imports() -> None:
     if not any(isinstance(finder, _InstallAfterImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, _InstallAfterImport())
+
+
+@contextlib.contextmanager
+def switched(enabled: bool) -> Iterator[None]:
+    """:func:`install` with ``enabled`` inside the block, the previous switch restored on exit: for a compile whose
+    family choice must not outlive it (``check``, a benchmark capture; the switch is process-wide)."""
+    previous = _enabled
+    install(enabled)
+    try:
+        yield
+    finally:
+        install(previous)
 
 
 def install(enabled: bool = True) -> list[str]:

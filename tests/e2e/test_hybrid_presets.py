@@ -171,9 +171,16 @@ def test_multimodal_directory_without_text_config_and_unknown_types_are_one_line
 
 
 def test_check_passes_on_a_qwen3_5_preset_with_exact_counts(npu_ops, tmp_path, capsys):
+    """``check`` sets the DeltaNet substitution from its own ``--fusions``, whatever an earlier compile in the process
+    left (a benchmark capture or a check without the family switches it off), and puts that setting back after."""
+    import qwen_npu_compile.backend  # noqa: F401  (its import installs the substitution once, from QWEN_NPU_FUSIONS)
+    from qwen_npu_compile.integrations import deltanet
+
     out = tmp_path / "result.json"
-    status = cli.main(["check", "qwen3.5-0.8b", "--layers", "4", "--vocab-size", "4096", "--seq-len", "16",
-                       "--json", str(out)])
+    with deltanet.switched(False):  # what an earlier compile without the family leaves behind
+        status = cli.main(["check", "qwen3.5-0.8b", "--layers", "4", "--vocab-size", "4096", "--seq-len", "16",
+                           "--json", str(out)])
+        assert deltanet._enabled is False  # restored after the check
     printed = capsys.readouterr().out
     assert status == 0, printed
     result = json.loads(out.read_text())

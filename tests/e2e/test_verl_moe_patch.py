@@ -121,12 +121,12 @@ def test_block_is_verls(patched):
 #: pre-dispatch retrace would keep NPUGmmFunction's forward only and drop its backward, and the experts'
 #: gate_up_proj / down_proj would get no gradient at all (silently: what this file found first).
 FALLBACK = "the graph applies a custom torch.autograd.Function at modeling_qwen3_moe.py:"
-NOTHING = {"rms_norm_gated": 0, "rms_norm": 0, "moe": 0, "swiglu": 0, "rotary": 0, "attention": 0}
+NOTHING = {"gated_delta_rule": 0, "rms_norm_gated": 0, "rms_norm": 0, "moe": 0, "swiglu": 0, "rotary": 0, "attention": 0}
 #: What verl's patch fused, counted as already fused in the unfused graph (fuse.count_fused_in_captured): per
 #: layer 4 npu_rms_norm (input, post-attention, q_norm, k_norm) and 2 npu_rotary_mul, and the MoE block's 3
 #: NPUGmmFunction grouped matmuls (their forward bodies; the backward bodies' dx/dW are not counted) and its
 #: npu_swiglu; the final norm once per model.
-ALREADY_FUSED_PER_LAYER = {"rms_norm_gated": 0, "rms_norm": 4, "moe": 3, "swiglu": 1, "rotary": 2, "attention": 0}
+ALREADY_FUSED_PER_LAYER = {"gated_delta_rule": 0, "rms_norm_gated": 0, "rms_norm": 4, "moe": 3, "swiglu": 1, "rotary": 2, "attention": 0}
 
 
 def test_whole_model_compiles_unfused_with_the_reason_and_parity(patched, tmp_path):

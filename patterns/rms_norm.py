@@ -353,13 +353,11 @@ class RmsNormFamily(FusionFamily):
 
     def iter_variants(self):
         # (1 + w) first: Qwen3.5 / Qwen3-Next; one per dtype family of x (w's cast is outside the pattern).
+        why = "Qwen3_5RMSNorm / Qwen3NextRMSNorm (transformers 5.24.0, 4.57.6): fp32 x * (1 + w.float()), "
         yield from per_dtype_family(
             "rms_norm_one_plus_weight",
             lambda dtype: [torch.empty(2, 4, 16, dtype=dtype), torch.empty(16), 1e-6],
-            why={"half": "Qwen3_5RMSNorm / Qwen3NextRMSNorm (transformers 5.24.0, 4.57.6): fp32 x * (1 + w.float()), "
-                         "type_as a bf16/fp16 x",
-                 "fp32": "Qwen3_5RMSNorm / Qwen3NextRMSNorm (transformers 5.24.0, 4.57.6): fp32 x * (1 + w.float()), "
-                         "fp32 activations (no-op casts removed)"},
+            why={"half": why + "type_as a bf16/fp16 x", "fp32": why + "fp32 activations (no-op casts removed)"},
             search_fn=_search_one_plus, replace_fn=_replace_one_plus, check=_check_one_plus,
             scalar_workaround={"eps": 1e-6},
         )

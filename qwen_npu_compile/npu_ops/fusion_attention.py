@@ -5,7 +5,10 @@ Semantics (torch_npu 2.13.0 ``_op_plugin_docs.py`` and Meta kernels; the op-plug
 
     out = Dropout(Softmax(Mask(scale * (pse + Q @ K^T), atten_mask)), keep_prob) @ V
 
-computed here in fp32 and rounded once to q's dtype.
+computed here in fp32 and rounded once to q's dtype. Without dropout the dense layouts are computed blockwise
+(:mod:`.attention_blockwise`: online softmax over key blocks, never an ``[Sq, Skv]`` fp32 tensor; the row max
+and sum it keeps are the softmax statistics returned); with dropout (``keep_prob < 1``, whose keep mask is
+``[B, Nq, Sq, Skv]`` anyway) by the dense formula of :mod:`.attention_contract`.
 
 Layering: the schemas, the limits (:func:`fusion_attention_violation`), the compressed causal mask and the
 softmax math are :mod:`.attention_contract`'s (re-exported here); this module adds the dense layouts and
@@ -40,7 +43,7 @@ hands TND calls to :mod:`.fusion_attention_tnd`, which imports the contract only
   ``[B, Nq, Sq, 8]``, the row value repeated over the last dim of 8 (torch_npu's Meta kernel shape);
   softmax_out is reserved: an empty ``[0]`` tensor of q's dtype; numels is ``B*Nq*Sq*Skv`` when
   ``keep_prob < 1`` else 0.
-- The grad op recomputes the probabilities from q, k, v (it ignores softmax_max / softmax_sum /
+- The grad op recomputes the probabilities from q, k, v, tile by tile (it ignores softmax_max / softmax_sum /
   softmax_in / attention_in) and returns ``(dq, dk, dv, dpse, dsink)``: dq/dk/dv in the input layouts
   and shapes (dk/dv summed over each KV group) in q's dtype; ``dpse`` is an empty ``[0]`` tensor and
   ``dsink`` an empty ``[0]`` fp32 tensor, as torch_npu 2.13.0's Meta kernel gives without a ``sink`` (2.9.0's
@@ -56,6 +59,7 @@ from __future__ import annotations
 
 import torch
 
+from . import attention_blockwise as blockwise
 from . import fusion_attention_tnd as tnd
 from .attention_contract import (  # noqa: F401 (the contract's names are public here too)
     COMPRESSED_MASK_MODES,
@@ -395,12 +399,15 @@ def reference_fusion_attention(  # the arguments of FUSION_ATTENTION_SCHEMA, in 
     q = _to_bnsd(query, input_layout, nq).float()
     k = _to_bnsd(key, input_layout, nkv).float()
     v = _to_bnsd(value, input_layout, nkv).float()
-    masked = _masked_positions(atten_mask, sparse_mode, pre_tockens, next_tockens, sq, skv, query.device)
-    p, row_max, row_sum = _probabilities(q, k, pse, masked, scale, group)
-    if keep_prob < 1.0:
+    if keep_prob < 1.0:  # dropout: the keep mask is [B, Nq, Sq, Skv] anyway; the dense formula
+        masked = _masked_positions(atten_mask, sparse_mode, pre_tockens, next_tockens, sq, skv, query.device)
+        p, row_max, row_sum = _probabilities(q, k, pse, masked, scale, group)
         keep = dropout_keep_mask((b, nq, sq, skv), keep_prob, seed, offset, query.device)
-        p = p * keep / keep_prob
-    out = _from_bnsd(weighted_values(p, v, group).to(query.dtype), input_layout)
+        out = weighted_values(p * keep / keep_prob, v, group)
+    else:
+        masking = blockwise.Masking(atten_mask, sparse_mode, pre_tockens, next_tockens, sq, skv, nkv, group)
+        out, row_max, row_sum = blockwise.forward(q, k, v, pse, masking, scale, group)
+    out = _from_bnsd(out.to(query.dtype), input_layout)
     stat_shape = (b, nq, sq, SOFTMAX_STAT_WIDTH)
     softmax_max = row_max.expand(stat_shape).contiguous()
     softmax_sum = row_sum.expand(stat_shape).contiguous()
@@ -455,12 +462,14 @@ def reference_fusion_attention_grad(  # the arguments of FUSION_ATTENTION_GRAD_S
     k = _to_bnsd(key, input_layout, nkv).float()
     v = _to_bnsd(value, input_layout, nkv).float()
     do = _to_bnsd(dy, input_layout, nq).float()
-    masked = _masked_positions(atten_mask, sparse_mode, pre_tockens, next_tockens, sq, skv, query.device)
-    p, _, _ = _probabilities(q, k, pse, masked, scale_value, group)
-    keep = None
-    if keep_prob < 1.0:
+    if keep_prob < 1.0:  # dropout: the dense formula (see the forward)
+        masked = _masked_positions(atten_mask, sparse_mode, pre_tockens, next_tockens, sq, skv, query.device)
+        p, _, _ = _probabilities(q, k, pse, masked, scale_value, group)
         keep = dropout_keep_mask((b, nq, sq, skv), keep_prob, seed, offset, query.device) / keep_prob
-    dq, dk_full, dv_full = probability_grads(q, k, v, do, p, scale_value, group, keep)
+        dq, dk_full, dv_full = probability_grads(q, k, v, do, p, scale_value, group, keep)
+    else:
+        masking = blockwise.Masking(atten_mask, sparse_mode, pre_tockens, next_tockens, sq, skv, nkv, group)
+        dq, dk_full, dv_full = blockwise.backward(q, k, v, do, pse, masking, scale_value, group)
     dtype = query.dtype
     return (
         _from_bnsd(dq.to(dtype), input_layout),

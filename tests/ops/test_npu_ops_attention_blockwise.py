@@ -1,0 +1,148 @@
+"""The blockwise ``npu_fusion_attention`` stand-in (:mod:`qwen_npu_compile.npu_ops.attention_blockwise`) against the
+dense formula it replaced (fp32 ``[B, N, Sq, Skv]`` scores and probabilities, :mod:`.attention_contract`), on
+several tiles per row and column: the masks the patterns emit (none; the compressed causal mask with
+``sparse_mode=2``; an explicit padded causal mask with ``sparse_mode=0``), mode 3, the band, GQA, ``pse``, fully
+masked rows, fp32 and bf16, and the softmax statistics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qwen_npu_compile.npu_ops import attention_blockwise, fusion_attention
+from qwen_npu_compile.npu_ops.attention_contract import _probabilities, probability_grads, weighted_values
+
+pytestmark = pytest.mark.usefixtures("simulated_npu_ops")
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles of 5 query rows x 4 keys: every case below spans several tiles both ways (and a ragged last one)."""
+    monkeypatch.setattr(attention_blockwise, "BLOCK_Q", 5)
+    monkeypatch.setattr(attention_blockwise, "BLOCK_K", 4)
+
+
+def dense(q, k, v, do, nq, nkv, scale, pse=None, atten_mask=None, sparse_mode=0, pre=2147483647, nxt=2147483647):
+    """The previous stand-in's formula (BNSD, fp32): out, row max, row sum, dq, dk, dv."""
+    q, k, v, do = (t.float() for t in (q, k, v, do))
+    masked = fusion_attention._masked_positions(atten_mask, sparse_mode, pre, nxt, q.shape[2], k.shape[2], q.device)
+    p, row_max, row_sum = _probabilities(q, k, pse, masked, scale, nq // nkv)
+    out = weighted_values(p, v, nq // nkv)
+    dq, dk, dv = probability_grads(q, k, v, do, p, scale, nq // nkv)
+    return out, row_max, row_sum, dq, dk, dv
+
+
+def padded_causal(b, s, pads, left=True):
+    """[B, 1, S, S] bool, True = masked: causal plus ``pads[i]`` padding keys (left: leading ones)."""
+    j = torch.arange(s)
+    i = j.unsqueeze(-1)
+    pad = torch.tensor(pads)[:, None]
+    key_pad = (j < pad) if left else (j >= s - pad)
+    return ((j > i)[None] | key_pad[:, None, :])[:, None]
+
+
+CASES = [
+    # id, B, Nq, Nkv, Sq, Skv, D, mask kind
+    pytest.param(1, 4, 4, 13, 13, 64, "none", id="MHA-nomask"),
+    pytest.param(2, 6, 2, 13, 13, 64, "causal2", id="GQA-mode2"),
+    pytest.param(1, 4, 1, 9, 14, 64, "causal2", id="MQA-mode2-Sq<Skv"),
+    pytest.param(1, 4, 2, 14, 9, 128, "causal3", id="GQA-mode3-Sq>Skv"),
+    pytest.param(2, 4, 2, 13, 13, 64, "left_pad", id="GQA-mode0-left-padded-causal"),
+    pytest.param(2, 4, 2, 13, 13, 64, "right_pad", id="GQA-mode0-right-padded-causal"),
+    pytest.param(2, 4, 2, 13, 13, 64, "bnss", id="GQA-mode0-BNSS-random"),
+    pytest.param(1, 2, 2, 13, 13, 64, "band", id="MHA-mode0-band"),
+    pytest.param(2, 4, 2, 13, 11, 64, "pse", id="GQA-pse-nomask"),
+]
+
+
+def setup(kind, b, nq, sq, skv, gen):
+    if kind == "none":
+        return {}
+    if kind in ("causal2", "causal3"):
+        return dict(atten_mask=fusion_attention.compressed_causal_mask(), sparse_mode=int(kind[-1]))
+    if kind == "left_pad":  # batch 1's first 6 rows see nothing at all (fully masked rows)
+        return dict(atten_mask=padded_causal(b, sq, [0, 6]), sparse_mode=0)
+    if kind == "right_pad":
+        return dict(atten_mask=padded_causal(b, sq, [3, 0], left=False), sparse_mode=0)
+    if kind == "bnss":
+        return dict(atten_mask=torch.rand(b, nq, sq, skv, generator=gen) < 0.4, sparse_mode=0)
+    if kind == "band":
+        return dict(atten_mask=torch.zeros(sq, skv, dtype=torch.bool), sparse_mode=0, pre_tockens=5, next_tockens=1)
+    if kind == "pse":
+        return dict(pse=torch.randn(b, 1, sq, skv, generator=gen))
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("b,nq,nkv,sq,skv,d,kind", CASES)
+def test_blockwise_equals_the_dense_formula(small_tiles, b, nq, nkv, sq, skv, d, kind, dtype):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(b, nq, sq, d, generator=gen).to(dtype)
+    k = torch.randn(b, nkv, skv, d, generator=gen).to(dtype)
+    v = torch.randn(b, nkv, skv, d, generator=gen).to(dtype)
+    do = torch.randn(b, nq, sq, d, generator=gen).to(dtype)
+    options = setup(kind, b, nq, sq, skv, gen)
+    if "pse" in options:
+        options["pse"] = options["pse"].to(dtype)
+    scale = d**-0.5
+    out, smax, ssum, *_ = fusion_attention.reference_fusion_attention(q, k, v, nq, "BNSD", scale=scale, **options)
+    dq, dk, dv, *_ = fusion_attention.reference_fusion_attention_grad(
+        q, k, v, do, nq, "BNSD", scale_value=scale, **options)
+    want = dense(q, k, v, do, nq, nkv, scale, pse=options.get("pse"), atten_mask=options.get("atten_mask"),
+                 sparse_mode=options.get("sparse_mode", 0), pre=options.get("pre_tockens", 2147483647),
+                 nxt=options.get("next_tockens", 2147483647))
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out.float(), want[0].to(dtype).float(), **tol)
+    torch.testing.assert_close(smax, want[1].expand_as(smax), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ssum, want[2].expand_as(ssum), atol=1e-4, rtol=1e-5)
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want[3:]):
+        assert got.dtype == dtype, name
+        torch.testing.assert_close(got.float(), ref.to(dtype).float(), msg=lambda m, n=name: f"{n}: {m}",
+                                   **({k_: 2 * x for k_, x in tol.items()}))
+    if kind == "left_pad":  # documented: fully masked rows give -inf / 0 statistics, 0 output and no dq
+        assert torch.isneginf(smax[1, :, :6]).all() and (ssum[1, :, :6] == 0).all()
+        assert torch.count_nonzero(out[1, :, :6]) == 0 and torch.count_nonzero(dq[1, :, :6]) == 0
+
+
+def test_masked_out_tiles_are_skipped(small_tiles, monkeypatch):
+    """Causal: the tiles above the diagonal are never computed (the work of a causal call is about half)."""
+    calls = []
+    real = attention_blockwise._scores
+    monkeypatch.setattr(attention_blockwise, "_scores", lambda *a: calls.append(a[-4:]) or real(*a))
+    q = torch.randn(1, 2, 20, 64)
+    fusion_attention.reference_fusion_attention(q, q, q, 2, "BNSD", scale=0.125,
+                                                atten_mask=fusion_attention.compressed_causal_mask(), sparse_mode=2)
+    # rows in 4 blocks of 5, keys in 5 blocks of 4: tiles with c0 <= r1 - 1 only
+    expected = [(r0, r0 + 5, c0, c0 + 4) for r0 in range(0, 20, 5) for c0 in range(0, 20, 4) if c0 <= r0 + 4]
+    assert calls == expected
+
+
+def test_no_full_score_matrix_at_a_long_length(monkeypatch):
+    """At S = 1024 (4 x 4 tiles of 256) no [S, S] fp32 tensor is allocated: the largest fp32 tensor of the tile
+    loop is at most a quarter of one [B, N, S, S] score matrix, and the results equal the dense formula's."""
+    monkeypatch.setattr(attention_blockwise, "BLOCK_Q", 256)
+    monkeypatch.setattr(attention_blockwise, "BLOCK_K", 256)
+    torch.manual_seed(0)
+    b, n, s, d = 1, 2, 1024, 64
+    q, k, v, do = (torch.randn(b, n, s, d) for _ in range(4))
+    mask = fusion_attention.compressed_causal_mask()
+    sizes = []
+
+    class Watch(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                    sizes.append(t.numel())
+            return out
+
+    with Watch():
+        out, *_ = fusion_attention.reference_fusion_attention(q, k, v, n, "BNSD", scale=0.125, atten_mask=mask,
+                                                              sparse_mode=2)
+        grads = fusion_attention.reference_fusion_attention_grad(q, k, v, do, n, "BNSD", scale_value=0.125,
+                                                                 atten_mask=mask, sparse_mode=2)
+    assert max(sizes) <= b * n * s * s // 4
+    want = dense(q, k, v, do, n, n, 0.125, atten_mask=mask, sparse_mode=2)
+    torch.testing.assert_close(out, want[0], atol=2e-5, rtol=2e-5)
+    for got, ref in zip(grads[:3], want[3:]):
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

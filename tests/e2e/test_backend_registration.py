@@ -1,8 +1,10 @@
 """The backend is found through the torch_dynamo_backends entry point, and only there."""
 
 import importlib.metadata
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -35,13 +37,31 @@ def test_import_registers_nothing_and_never_imports_torch_npu():
     assert out.stdout.strip() == "ok"
 
 
-def test_patterns_is_a_subpackage_only():
+def test_patterns_is_a_subpackage_only(tmp_path):
+    """The top-level ``patterns/`` folder installs as ``qwen_npu_compile.patterns`` only: nothing named plain
+    ``patterns`` is installed by this project, whatever the checkout's folder is called. Checked in a fresh
+    interpreter in isolated mode (``-I``: no current folder, no PYTHONPATH on sys.path) started in an empty folder,
+    so that the checkout's own ``patterns/`` cannot be found through the current folder (as pytest's rootdir
+    makes it here); a ``patterns`` found there must not come from this project (its checkout, or a file of
+    its installed distribution)."""
+    import qwen_npu_compile
     import qwen_npu_compile.patterns as patterns
 
     assert patterns.__name__ == "qwen_npu_compile.patterns"
-    assert importlib.util.find_spec("patterns") is None or "qwen_npu_compile" not in str(
-        importlib.util.find_spec("patterns").origin
+    code = (
+        "import importlib.util, json, qwen_npu_compile\n"
+        "spec = importlib.util.find_spec('patterns')\n"
+        "print(json.dumps([spec.origin if spec else None, qwen_npu_compile.__file__]))\n"
     )
+    out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    origin, installed = json.loads(out.stdout.strip().splitlines()[-1])
+    if origin is None:
+        return
+    checkouts = {Path(qwen_npu_compile.__file__).resolve().parent.parent, Path(installed).resolve().parent.parent}
+    assert not any(Path(origin).resolve().is_relative_to(root) for root in checkouts), origin
+    files = importlib.metadata.distribution("qwen_npu_compile").files or []
+    assert not any(f.parts and f.parts[0] == "patterns" for f in files), "the distribution installs patterns/"
 
 
 def test_compile_by_name_fuses(npu_ops):

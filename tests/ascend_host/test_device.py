@@ -1,0 +1,107 @@
+"""The simulated Ascend host itself: what ``import torch_npu`` does there (tensors on ``npu``, ``torch.npu``, the
+``npu`` ops for npu tensors only with their limits, autograd, fake kernels, the lazy torchair module)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import sim
+
+
+def test_import_renames_privateuse1_and_registers_torch_npu(npu):
+    import torch_npu
+
+    assert torch_npu.__version__ == "2.13.0" and sim.is_simulated_host()
+    assert torch._C._get_privateuse1_backend_name() == "npu"
+    assert torch.npu is torch_npu.npu and torch.npu.is_available() and torch.npu.device_count() == 1
+    assert torch.npu.current_device() == 0 and torch.npu.get_device_name() == "Ascend910B2"
+    x = torch.arange(6.0).reshape(2, 3).npu()
+    assert x.device == npu and x.is_npu and str(x.device) == "npu:0"
+    y = (x * 2).t().contiguous()
+    assert y.device == npu and y.cpu().tolist() == [[0, 6], [2, 8], [4, 10]]
+    view = x[:, 1]
+    view.add_(100)  # a view writes through to its base, as on a device
+    assert x.cpu()[:, 1].tolist() == [101, 104]
+    assert torch.nn.Linear(3, 2).to("npu").weight.device == npu
+
+
+def test_transformers_and_verl_detect_the_npu():
+    from transformers.utils import is_torch_npu_available
+
+    assert is_torch_npu_available() and is_torch_npu_available(check_device=True)
+
+
+def test_uninitialised_memory_is_poisoned(npu):
+    """Fresh npu memory reads as NaN (0xFF bytes), so a kernel reading memory it never wrote shows at once."""
+    assert torch.empty(4, device=npu).isnan().all()
+    assert torch.zeros(4, device=npu).eq(0).all()
+
+
+def test_mixing_devices_fails_as_on_a_device(npu):
+    with pytest.raises(RuntimeError, match="same device"):
+        torch.ones(3, device=npu) + torch.ones(3)
+    assert (torch.ones(3, device=npu) + torch.tensor(1.0)).device == npu  # a 0-dim CPU tensor is a scalar
+
+
+def test_npu_op_runs_on_npu_tensors_only(npu):
+    import torch_npu
+
+    x = torch.randn(2, 5, 8, device=npu, requires_grad=True)
+    gamma = torch.randn(8, device=npu, requires_grad=True)
+    y, rstd = torch_npu.npu_rms_norm(x, gamma, 1e-6)
+    assert y.device == npu and rstd.dtype == torch.float32 and rstd.shape == (2, 5, 1)
+    ref = x.detach().cpu() * torch.rsqrt(x.detach().cpu().pow(2).mean(-1, keepdim=True) + 1e-6) * gamma.detach().cpu()
+    torch.testing.assert_close(y.detach().cpu(), ref)
+    before = sim.op_calls().get("npu_rms_norm_backward", 0)
+    y.sum().backward()  # autograd calls npu_rms_norm_backward on the device, as torch_npu's does
+    assert sim.op_calls()["npu_rms_norm_backward"] == before + 1 and x.grad.device == npu and gamma.grad.device == npu
+    with pytest.raises(NotImplementedError, match="Could not run 'npu::npu_rms_norm' with arguments from the 'CPU' backend"):
+        torch.ops.npu.npu_rms_norm(x.detach().cpu(), gamma.detach().cpu())
+    with pytest.raises(RuntimeError, match="same device"):
+        torch.ops.npu.npu_rms_norm(x.detach(), gamma.detach().cpu())
+
+
+def test_npu_op_limits_raise_as_the_kernel_would(npu):
+    with pytest.raises(RuntimeError, match="unsupported dtype pair"):
+        torch.ops.npu.npu_rms_norm(torch.randn(2, 8, device=npu), torch.randn(8, device=npu, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="swiglu|even|divisible|split"):
+        torch.ops.npu.npu_swiglu(torch.randn(2, 7, device=npu))
+
+
+def test_fake_kernels_keep_the_device(npu):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(2, 4, 8, device=npu, dtype=torch.bfloat16)
+        y, rstd = torch.ops.npu.npu_rms_norm(x, torch.empty(8, device=npu, dtype=torch.bfloat16))
+        assert y.device == npu and rstd.device == npu and rstd.dtype == torch.float32
+
+
+@pytest.mark.parametrize("head_dim, heads, ok", [(128, 4, True), (32, 4, False), (128, 65, False)])
+def test_chunk_gated_delta_rule_contract(npu, head_dim, heads, ok):
+    """torch_npu 2.13.0 ``npu_chunk_gated_delta_rule``: Dk = Dv = 128, at most 64 heads; outside it the aclnn call fails."""
+    t = 6
+    bf = dict(device=npu, dtype=torch.bfloat16)
+    args = (torch.randn(t, heads, head_dim, **bf), torch.randn(t, heads, head_dim, **bf), torch.randn(t, heads, head_dim, **bf))
+    kwargs = dict(beta=torch.rand(t, heads, **bf), g=-torch.rand(t, heads, device=npu),
+                  initial_state=torch.zeros(2, heads, head_dim, head_dim, **bf),
+                  actual_seq_lengths=torch.tensor([4, 2], dtype=torch.int32, device=npu))
+    if not ok:
+        with pytest.raises(RuntimeError, match="aclnnChunkGatedDeltaRule failed"):
+            torch.ops.npu.npu_chunk_gated_delta_rule(*args, **kwargs)
+        return
+    out, state = torch.ops.npu.npu_chunk_gated_delta_rule(*args, **kwargs)
+    assert out.shape == (t, heads, head_dim) and out.dtype == torch.bfloat16 and out.device == npu
+    assert state.shape == (2, heads, head_dim, head_dim) and torch.isfinite(out.float().cpu()).all()
+
+
+def test_lazy_torchair_module_is_installed():
+    proxy = sys.modules["torchair"]
+    assert type(proxy).__name__ == "_LazyTorchair"
+    assert proxy.CompilerConfig().mode.value == "max-autotune"  # the first attribute imports the wheel's torchair
+    from torchair.core import _torchair
+
+    assert type(_torchair).__name__ == "_ExtensionStandIn"

@@ -27,18 +27,19 @@ Tensors (B batch, T tokens, H value heads, Dk/Dv head dims, N sequences):
 - ``initial_state``: ``[N, H, Dk, Dv]`` or None (zeros);
 - returns ``out [B, T, H, Dv]`` (query's dtype) and ``final_state [N, H, Dk, Dv]`` (fp32).
 
-Kernels (one op, one place for the limits: :func:`violation`, :func:`npu_forward_violation`):
+Kernels (one op; which kernel runs and every kernel's limits: :mod:`.gated_delta_rule_kernels`):
 
 - **CPU reference** (every host): this module's chunked algorithm, the same arithmetic as transformers'
   ``torch_chunk_gated_delta_rule`` in fp32, sequence by sequence for packed rows. Its backward op
   ``qwen_npu::chunk_gated_delta_rule_backward`` recomputes the forward with autograd and returns its gradients
   (exact for the reference by construction; the tests compare both with transformers' function).
-- **Ascend** (a ``PrivateUse1`` kernel, registered only where torch_npu is importable): the forward runs
-  torch_npu's ``npu_chunk_gated_delta_rule`` where its contract holds (:func:`npu_forward_violation`: bf16
-  TND, value-first state ``[N, H, Dv, Dk]``, ``actual_seq_lengths`` int32; op-plugin
-  ``ChunkGatedDeltaRuleKernelNpuOpApi.cpp``, MindSpore lite_boost ``chunk_gated_delta_rule`` docs), else the
-  reference; the backward runs the reference (torch_npu 2.13.0 has no backward op), with one warning naming
-  what would train faster (fla_npu, FLA's triton-ascend backend), which this op does not call yet.
+- **Ascend** (``PrivateUse1`` kernels of both ops, registered at import whatever the import order of torch_npu
+  and this package; they look torch_npu and FLA up per call): FLA >= 0.5.2's ``chunk_gated_delta_rule`` (its
+  triton-ascend backend) for training and no-grad forwards inside FLA's contract, the backward FLA's autograd
+  of a recomputed FLA forward; torch_npu's inference-only ``npu_chunk_gated_delta_rule`` for no-grad forwards
+  inside its whole documented contract; else the reference (one INFO line; one WARNING naming what to install
+  where FLA is missing). Training is one family: the op's autograd calls its forward with ``training=True``
+  (a keyword-only flag; a graph's no-grad call leaves it False), which never takes torch_npu's op.
 - **GE graph mode**: torch_npu 2.9.0-2.14.0's converter of ``npu_chunk_gated_delta_rule`` raises "not supported
   in GE graph mode" (read from the wheels), so a torchair graph holding this op falls back (one warning).
 """
@@ -51,6 +52,9 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from . import gated_delta_rule_kernels as kernels
+from .gated_delta_rule_kernels import L2NORM_EPS, l2norm, npu_forward_violation  # noqa: F401  (this op's names)
+
 log = logging.getLogger("qwen_npu_compile")
 
 #: The op's qualified name, and its backward op's.
@@ -59,10 +63,6 @@ BACKWARD_NAME = "qwen_npu::chunk_gated_delta_rule_backward"
 
 #: Tokens per chunk of the reference (transformers' ``chunk_size`` default, FLA's ``BT``).
 CHUNK_SIZE = 64
-
-#: The L2 norm's epsilon inside the kernel (transformers' ``l2norm``, FLA's ``l2norm_fwd``).
-L2NORM_EPS = 1e-6
-
 
 # --------------------------------------------------------------------------------------------------
 # limits (the one place)
@@ -101,28 +101,8 @@ def violation(query, key, value, g, beta, cu_seqlens=None, initial_state=None) -
     return None
 
 
-def npu_forward_violation(query, value, g) -> str | None:
-    """Why torch_npu's ``npu_chunk_gated_delta_rule`` cannot run this forward (None when it can).
-
-    Its contract (torch_npu 2.13.0 meta kernel and op-plugin ``ChunkGatedDeltaRuleKernelNpuOpApi.cpp``;
-    lite_boost ``chunk_gated_delta_rule`` docs): TND ``query/key [T, Nk, Dk]``, ``value [T, Nv, Dv]`` with
-    Nv a multiple of Nk, ``beta [T, Nv]``, ``g [T, Nv]`` fp32, a required ``initial_state [N, Nv, Dv, Dk]``,
-    ``actual_seq_lengths [N]`` int32, output always bf16; Atlas A2 only.
-    """
-    if query.dtype != torch.bfloat16 or value.dtype != torch.bfloat16:
-        return f"npu_chunk_gated_delta_rule takes bf16 q/k/v (got {query.dtype}, {value.dtype}); its output is bf16"
-    if g.dtype != torch.float32:
-        return f"npu_chunk_gated_delta_rule takes g in fp32 (got {g.dtype})"
-    return None
-
-
 # --------------------------------------------------------------------------------------------------
 # the reference (fp32, one batch of equal-length sequences)
-
-
-def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
-    """``x * rsqrt(sum(x²) + eps)`` over the last dim (transformers' ``l2norm``, aligned with FLA)."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
 def _chunk_rule(query, key, value, g, beta, state, scale: float, use_qk_l2norm: bool, chunk_size: int):
@@ -215,6 +195,14 @@ def reference(query, key, value, g, beta, cu_seqlens=None, initial_state=None, s
 # --------------------------------------------------------------------------------------------------
 # the ops
 
+#: The forward op's schema. ``training`` (keyword-only, default False) is set by the op's own autograd for a
+#: forward whose backward follows (eager and AOTAutograd's joint graph alike); callers leave it out.
+SCHEMA = ("chunk_gated_delta_rule(Tensor query, Tensor key, Tensor value, Tensor g, Tensor beta, Tensor? cu_seqlens, "
+          "Tensor? initial_state, float scale, bool use_qk_l2norm, *, bool training=False) -> (Tensor, Tensor)")
+
+LIBRARY = torch.library.Library("qwen_npu", "FRAGMENT")
+LIBRARY.define(SCHEMA)
+
 
 @contextlib.contextmanager
 def _autograd_inside_kernel():
@@ -233,23 +221,28 @@ def _empty_state(query, value, cu_seqlens):
     return query.new_empty((sequences, query.shape[2], query.shape[3], value.shape[3]), dtype=torch.float32)
 
 
-@torch.library.custom_op(NAME, mutates_args=())
+def _forward_kernel(query, key, value, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, *, training=False):
+    """The reference forward (every backend without a kernel of its own)."""
+    with torch.no_grad():
+        out, state = reference(query, key, value, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
+    return out.contiguous(), state.clone()  # an op's outputs never alias its inputs
+
+
+def _fake(query, key, value, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, *, training=False):
+    return value.new_empty(value.shape, dtype=query.dtype), _empty_state(query, value, cu_seqlens)
+
+
+LIBRARY.impl("chunk_gated_delta_rule", _forward_kernel, "CompositeExplicitAutograd")
+torch.library.register_fake(NAME, _fake, lib=LIBRARY)
+
+
 def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor,
                            beta: torch.Tensor, cu_seqlens: torch.Tensor | None, initial_state: torch.Tensor | None,
                            scale: float, use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """See the module docstring: ``(out [B, T, H, Dv] in query's dtype, final_state [N, H, Dk, Dv] fp32)``."""
-    return _forward_kernel(query, key, value, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
-
-
-def _forward_kernel(query, key, value, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm):
-    with torch.no_grad():
-        out, state = reference(query, key, value, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
-    return out.contiguous(), state.clone()  # a custom op's outputs never alias its inputs
-
-
-@chunk_gated_delta_rule.register_fake
-def _fake(query, key, value, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm):
-    return value.new_empty(value.shape, dtype=query.dtype), _empty_state(query, value, cu_seqlens)
+    """``torch.ops.qwen_npu.chunk_gated_delta_rule``; see the module docstring: ``(out [B, T, H, Dv] in query's
+    dtype, final_state [N, H, Dk, Dv] fp32)``."""
+    return torch.ops.qwen_npu.chunk_gated_delta_rule.default(query, key, value, g, beta, cu_seqlens, initial_state,
+                                                             scale, use_qk_l2norm)
 
 
 @torch.library.custom_op(BACKWARD_NAME, mutates_args=())
@@ -266,16 +259,20 @@ def chunk_gated_delta_rule_backward(
 
 
 def _backward_kernel(grad_out, grad_state, query, key, value, g, beta, cu_seqlens, initial_state, scale,
-                     use_qk_l2norm):
+                     use_qk_l2norm, forward=None):
+    """Gradients of ``forward`` (default: :func:`reference`; FLA's public entry on Ascend) recomputed under
+    autograd, taken with ``torch.autograd.grad``."""
+    forward = forward or (lambda *args: reference(*args))
     with _autograd_inside_kernel():
         inputs = [t.detach().requires_grad_(True) for t in (query, key, value, g, beta)]
         state = None if initial_state is None else initial_state.detach().requires_grad_(True)
-        out, final = reference(*inputs, cu_seqlens, state, scale, use_qk_l2norm)
+        out, final = forward(*inputs, cu_seqlens, state, scale, use_qk_l2norm)
         wrt = inputs + ([state] if state is not None else [])
         grads = torch.autograd.grad((out, final), wrt, (grad_out.to(out.dtype), grad_state.to(final.dtype)),
                                     allow_unused=True)
     # contiguous, as the fake kernel says (a gradient's layout must not depend on autograd's choices)
-    grads = [torch.zeros(t.shape, dtype=t.dtype) if d is None else d.to(t.dtype).contiguous() for d, t in zip(grads, wrt)]
+    grads = [torch.zeros(t.shape, dtype=t.dtype, device=t.device) if d is None else d.to(t.dtype).contiguous()
+             for d, t in zip(grads, wrt)]
     d_state = grads[5] if state is not None else query.new_empty((0,))
     return (*grads[:5], d_state)
 
@@ -286,78 +283,90 @@ def _fake_backward(grad_out, grad_state, query, key, value, g, beta, cu_seqlens,
     return (*(t.new_empty(t.shape) for t in (query, key, value, g, beta)), d_state)
 
 
-def _setup_context(ctx, inputs, output):
-    query, key, value, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm = inputs
-    ctx.save_for_backward(query, key, value, g, beta, cu_seqlens, initial_state)
-    ctx.scale, ctx.use_qk_l2norm = scale, use_qk_l2norm
-    ctx.has_state = initial_state is not None
+class _ChunkGatedDeltaRule(torch.autograd.Function):
+    """The forward op's autograd: its forward runs the op with ``training=True`` (one kernel family with the
+    backward on Ascend), its backward calls :func:`chunk_gated_delta_rule_backward`."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm):
+        with torch._C._AutoDispatchBelowAutograd():
+            out, final = torch.ops.qwen_npu.chunk_gated_delta_rule.default(
+                query, key, value, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, training=True)
+        ctx.save_for_backward(query, key, value, g, beta, cu_seqlens, initial_state)
+        ctx.scale, ctx.use_qk_l2norm = scale, use_qk_l2norm
+        ctx.has_state = initial_state is not None
+        return out, final
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_state):
+        query, key, value, g, beta, cu_seqlens, initial_state = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(value, dtype=query.dtype)
+        if grad_state is None:
+            grad_state = _empty_state(query, value, cu_seqlens).zero_()
+        dq, dk, dv, dg, dbeta, d_state = chunk_gated_delta_rule_backward(
+            grad_out, grad_state, query, key, value, g, beta, cu_seqlens, initial_state, ctx.scale,
+            ctx.use_qk_l2norm)
+        return dq, dk, dv, dg, dbeta, None, d_state if ctx.has_state else None, None, None
 
 
-def _backward(ctx, grad_out, grad_state):
-    query, key, value, g, beta, cu_seqlens, initial_state = ctx.saved_tensors
-    if grad_out is None:
-        grad_out = torch.zeros_like(value, dtype=query.dtype)
-    if grad_state is None:
-        grad_state = _empty_state(query, value, cu_seqlens).zero_()
-    dq, dk, dv, dg, dbeta, d_state = chunk_gated_delta_rule_backward(
-        grad_out, grad_state, query, key, value, g, beta, cu_seqlens, initial_state, ctx.scale, ctx.use_qk_l2norm)
-    return dq, dk, dv, dg, dbeta, None, d_state if ctx.has_state else None, None, None
+def _autograd_kernel(query, key, value, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, *,
+                     training=False):
+    differentiable = (query, key, value, g, beta, initial_state)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in differentiable):
+        return _ChunkGatedDeltaRule.apply(query, key, value, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.qwen_npu.chunk_gated_delta_rule.default(
+            query, key, value, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, training=training)
 
 
-chunk_gated_delta_rule.register_autograd(_backward, setup_context=_setup_context)
+LIBRARY.impl("chunk_gated_delta_rule", _autograd_kernel, "Autograd")
 
 
 # --------------------------------------------------------------------------------------------------
-# the Ascend kernel (registered only where torch_npu imports)
+# the Ascend kernels (PrivateUse1: registered at import; torch_npu and FLA looked up per call)
+
+
+def _fla_forward(query, key, value, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm):
+    """FLA's public ``chunk_gated_delta_rule`` on the op's operands (:func:`kernels.fla_arguments`)."""
+    args, kwargs = kernels.fla_arguments(query, key, value, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
+    out, final = kernels.fla_entry()(*args, **kwargs)
+    return out.to(query.dtype), final.to(torch.float32)
 
 
 def npu_forward(query, key, value, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, npu_op=None):
-    """The forward through torch_npu's ``npu_chunk_gated_delta_rule`` (TND, value-first state), or None when
-    :func:`npu_forward_violation` refuses. ``npu_op`` defaults to ``torch.ops.npu.npu_chunk_gated_delta_rule``
-    (a stand-in with its contract in the tests)."""
-    if npu_forward_violation(query, value, g) is not None:
+    """The forward through torch_npu's ``npu_chunk_gated_delta_rule`` (:func:`kernels.npu_arguments`), or None
+    where :func:`npu_forward_violation` refuses. ``npu_op`` defaults to ``torch.ops.npu.npu_chunk_gated_delta_rule``."""
+    if npu_forward_violation(query, key, value, g, beta, cu_seqlens, initial_state) is not None:
         return None
     npu_op = npu_op or torch.ops.npu.npu_chunk_gated_delta_rule
-    batch, tokens, heads, k_dim = query.shape
-    if cu_seqlens is None:
-        lengths = torch.full((batch,), tokens, dtype=torch.int32, device=query.device)
-        flat = [t.reshape(batch * tokens, *t.shape[2:]) for t in (query, key, value, beta, g)]
-    else:
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32)
-        flat = [t[0] for t in (query, key, value, beta, g)]
-    q, k, v, b, decay = flat
-    if use_qk_l2norm:
-        q, k = l2norm(q.float()).to(q.dtype), l2norm(k.float()).to(k.dtype)
-    if initial_state is None:
-        initial_state = _empty_state(query, value, cu_seqlens).zero_()
-    state = initial_state.transpose(-1, -2).to(torch.bfloat16).contiguous()  # [N, H, Dv, Dk]
-    out, final = npu_op(q, k, v.contiguous(), beta=b.to(torch.bfloat16), initial_state=state,
-                        actual_seq_lengths=lengths, scale=scale, g=decay.float())
+    args, kwargs = kernels.npu_arguments(query, key, value, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
+    out, final = npu_op(*args, **kwargs)
     return out.reshape(value.shape).to(query.dtype), final.transpose(-1, -2).float().contiguous()
 
 
-_npu_warned: set[str] = set()
+def _npu_forward_kernel(query, key, value, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, *,
+                        training=False):
+    """The forward op on an Ascend tensor: the kernel :func:`kernels.select` picks."""
+    choice = kernels.select(query, key, value, g, beta, cu_seqlens, initial_state, training=training)
+    if choice.kernel == "fla":
+        with torch.no_grad():
+            out, final = _fla_forward(query, key, value, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
+        return out.contiguous(), final.contiguous()
+    if choice.kernel == "torch_npu":
+        return npu_forward(query, key, value, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
+    return _forward_kernel(query, key, value, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
 
 
-def _register_npu_kernel() -> None:
-    """Ascend kernels of both ops (see the module docstring), where ``torch_npu`` is importable."""
-    def forward(query, key, value, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm):
-        result = npu_forward(query, key, value, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
-        if result is not None:
-            return result
-        return _forward_kernel(query, key, value, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
-
-    def backward(*args):
-        if "backward" not in _npu_warned:
-            _npu_warned.add("backward")
-            log.warning("qwen_npu: the Gated DeltaNet's backward runs the ATen reference on the NPU (torch_npu has "
-                        "no backward of npu_chunk_gated_delta_rule); fla_npu or FLA's triton-ascend backend would "
-                        "train faster, and this op does not call them yet")
-        return _backward_kernel(*args)
-
-    chunk_gated_delta_rule.register_kernel("npu")(forward)
-    chunk_gated_delta_rule_backward.register_kernel("npu")(backward)
+def _npu_backward_kernel(grad_out, grad_state, query, key, value, g, beta, cu_seqlens, initial_state, scale,
+                         use_qk_l2norm):
+    """The backward op on an Ascend tensor: FLA's autograd where the training forward ran FLA, else the
+    reference's (the same :func:`kernels.select` call as the forward's, so one family)."""
+    choice = kernels.select(query, key, value, g, beta, cu_seqlens, initial_state, training=True)
+    forward = _fla_forward if choice.kernel == "fla" else None
+    return _backward_kernel(grad_out, grad_state, query, key, value, g, beta, cu_seqlens, initial_state, scale,
+                            use_qk_l2norm, forward=forward)
 
 
-if torch._C._get_privateuse1_backend_name() == "npu":  # torch_npu renamed PrivateUse1: an Ascend host
-    _register_npu_kernel()
+LIBRARY.impl("chunk_gated_delta_rule", _npu_forward_kernel, "PrivateUse1")
+LIBRARY.impl("chunk_gated_delta_rule_backward", _npu_backward_kernel, "PrivateUse1")

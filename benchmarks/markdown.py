@@ -246,7 +246,7 @@ def _glue_by_op(entry: dict) -> dict[str, int]:
 
 
 def _findings(data: dict) -> list[str]:
-    """What the traffic numbers say, computed from them (the README's closing note quotes these)."""
+    """What the traffic numbers say, computed from them (docs/performance.md's closing note quotes these)."""
     bw = data["bandwidth"]["bytes_per_second"]
     lines = ["### Findings (computed from the tables above)", ""]
     for model, m in data["models"].items():
@@ -387,7 +387,7 @@ def render_summary(loaded: dict[str, dict], total_seconds: float, command: str) 
 
 
 # ----------------------------------------------------------------------------------------------------
-# the README's "Performance evidence" tables
+# the tables of docs/performance.md
 
 
 _SHORT = {"qwen2.5-0.5b": "0.5B", "qwen2.5-7b": "7B"}
@@ -401,9 +401,9 @@ def _model_label(name: str, shape: dict) -> str:
 
 
 def readme_tables(traffic: dict) -> str:
-    """The traffic tables of README.md's "Performance evidence", from ``kernel_traffic.json``'s payload.
+    """The traffic tables of docs/performance.md, from ``kernel_traffic.json``'s payload.
 
-    ``python -m benchmarks.markdown benchmarks/results/kernel_traffic.json`` prints them (the README's
+    ``python -m benchmarks.markdown benchmarks/results/kernel_traffic.json`` prints them (docs/performance.md's
     tables are pasted from that output, so that they match the results file).
     """
     out = ["| model, S | variant | kernels fw / bw | non-matmul MiB fw + bw | × LB fw / bw / total | bw × math bound "
@@ -502,7 +502,7 @@ def _grouped_mm_cell(counts: dict[str, int]) -> str:
 
 
 def moe_table(moe: dict) -> str:
-    """The "MoE per layer" table of README.md's "Performance evidence", from ``moe_traffic.json``'s payload
+    """The "MoE per layer" table of docs/performance.md, from ``moe_traffic.json``'s payload
     (``benchmarks/moe_traffic.py``): per model, mode and variant, the per-layer kernels, non-matmul bytes (read /
     written), glue, the gradient layout copies after the graph, Cube TFLOP (grouped matmuls), est. ms, roofline
     (matmul + attention + rest) and with the copies, and the grouped-matmul kernels.
@@ -541,7 +541,7 @@ def _q35_fused_cell(counts: dict[str, int]) -> str:
 
 
 def qwen3_5_table(data: dict) -> str:
-    """The "Qwen3.5 per layer" tables of README.md's "Performance evidence", from ``qwen3_5_traffic.json``'s payload
+    """The "Qwen3.5 per layer" tables of docs/performance.md, from ``qwen3_5_traffic.json``'s payload
     (``benchmarks/qwen3_5_traffic.py``): per layer kind, mode and variant, the per-layer kernels, non-matmul bytes
     (read / written), glue, Cube TFLOP, est. ms, roofline (matmul + attention + rest) and the fused kernels of the
     forward; then the chunked delta rule's key ops per DeltaNet layer.

@@ -10,7 +10,8 @@
 # 3. runs tests/e2e/test_verl_hook.py (its `-m verl` part drives verl's own FSDP engine on the CPU),
 #    tests/e2e/test_trainer.py (accelerate comes with verl) and tests/e2e/test_verl_moe_patch.py (verl's real
 #    npu_patch Qwen3-MoE block compiled with qwen_npu) and tests/e2e/test_verl_qwen3_5.py (verl's packed Qwen3.5
-#    forward, per-layer compiled: one graph per layer kind, the Gated DeltaNet as one op);
+#    forward, per-layer compiled: one graph per layer kind, the Gated DeltaNet as one op) and
+#    tests/e2e/test_verl_npu_patch.py (verl's npu_patch applied, then QWEN_NPU_COMPILE=1: layers fuse as without it);
 # 4. prints how long the install and the tests took.
 #
 # Environment: PYTHON (default python3.11, else python3), VERL_ENV_KEEP=1 keeps the venv and prints its path.
@@ -43,7 +44,7 @@ print(f"verl_env_check: verl {verl.__version__}, torch {torch.__version__}, tran
 
 set +e
 (cd "$repo" && "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider tests/e2e/test_verl_hook.py tests/e2e/test_trainer.py tests/e2e/test_verl_moe_patch.py \
-    tests/e2e/test_verl_qwen3_5.py)
+    tests/e2e/test_verl_qwen3_5.py tests/e2e/test_verl_npu_patch.py)
 status=$?
 set -e
 echo "verl_env_check: tests took $(( $(date +%s) - installed ))s (pytest exit $status)"

@@ -27,6 +27,13 @@ The hook (checked against verl 0.9.1, also present in 0.7.1 and 0.8.0):
   and ``CriticWorker._build_critic_model_optimizer`` call with the complete model right before
   ``FSDP(...)`` / ``apply_fsdp2(...)``. Replaced by one that compiles ``module`` first.
 
+* **verl's npu_patch** (Ascend hosts) -- ``verl.models.transformers.npu_patch``, which ``FSDPEngine.__init__``
+  imports and applies (``apply_npu_fsdp_patches``) before the model is built: its patch functions still run,
+  then the names a switched-on ``qwen_npu`` family fuses from transformers' own code (RMSNorm, SwiGLU MLP,
+  rotary, the MoE block, the Qwen3.5 norms) dispatch to transformers' function inside a Dynamo capture and to
+  verl's elsewhere, so that compiled layers fuse what they fuse without verl's patches; one INFO line names
+  what was taken over and what stays verl's (:mod:`qwen_npu_compile.integrations.verl_npu_patch`).
+
 The verl modules are patched when Python has executed them (a post-import hook on ``sys.meta_path``),
 or at once when they are already imported, so importing this module from ``verl/__init__.py`` pulls
 in none of verl's engine code (peft, tensordict, FSDP) in processes that never build a model.
@@ -53,6 +60,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from .. import torch_compiler
+from . import verl_npu_patch
 from .worker import _FSDP1_FIX, ENV_COMPILE, compile_requested, maybe_compile
 
 log = logging.getLogger("qwen_npu_compile")
@@ -376,6 +384,16 @@ def _when_imported(name: str, action: Callable) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
+# verl's npu_patch (Ascend hosts)
+
+
+def _take_over_npu_patch(module) -> None:
+    """After verl's ``npu_patch`` ran: its patch functions leave compiled layers transformers' own code
+    (:mod:`qwen_npu_compile.integrations.verl_npu_patch`)."""
+    verl_npu_patch.take_over(module, verl_version())
+
+
+# --------------------------------------------------------------------------------------------------
 # the switch
 
 
@@ -406,6 +424,8 @@ def install(environ: Mapping[str, str] | None = None) -> bool:
         raise _error(f"has no {ENGINE_MODULE} (and no legacy {LEGACY_MODULE})")
     if engine:
         _when_imported(ENGINE_PACKAGE, _patch_engine_package)
+    if _has_file("models/transformers/npu_patch.py"):  # imported by apply_npu_fsdp_patches on an Ascend host
+        _when_imported(verl_npu_patch.NPU_PATCH_MODULE, _take_over_npu_patch)
     if legacy:
         _when_imported(LEGACY_MODULE, patch_legacy)
     return True

@@ -78,6 +78,8 @@ def chunk_gated_delta_rule(
     if initial_state is not None:
         assert tuple(initial_state.shape) == (sequences, v.shape[2], q.shape[-1], v.shape[-1]), "[N, HV, K, V]"
     scale = k.shape[-1] ** -0.5 if scale is None else scale
+    if v.shape[2] != heads:  # GVA: value head i reads query/key head i // (HV / H) (FLA's i_h = i_hv // (HV // H))
+        q, k = (x.repeat_interleave(v.shape[2] // heads, dim=2) for x in (q, k))
     o, final_state = reference(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm_in_kernel)
     return o.to(q.dtype), (final_state if output_final_state else None)
 

@@ -1,32 +1,43 @@
-"""The Gated DeltaNet inside the graph: Dynamo substitutions that put ``qwen_npu::chunk_gated_delta_rule`` where
-transformers' and verl's DeltaNet code runs the chunked delta rule in Python.
+"""The Gated DeltaNet inside the graph, per packed sequence: Dynamo substitutions that put
+``qwen_npu::chunk_gated_delta_rule`` where transformers' and verl's DeltaNet code runs the chunked delta rule.
 
 Without this, a Qwen3.5 / Qwen3-Next linear-attention layer reaches the graph as transformers'
 ``torch_chunk_gated_delta_rule`` traced op by op (a ``T/64``-step scan unrolled into ``select_scatter``
-copies, the graph specialised on ``T``), and verl 0.9.1's packed forward breaks the graph at
-``int(cu_seqlens[-1].item())`` and splits the row on the host with ``.tolist()`` (a recompile per packing).
-Two substitutions, installed once per process by :func:`install`, change only what Dynamo traces; eager calls
-run the original code untouched:
+copies, the graph specialised on ``T``), or as a graph break at FLA's ``@torch.compiler.disable`` kernel, and
+verl 0.9.1's packed forward breaks the graph at ``int(cu_seqlens[-1].item())`` and splits the row on the host
+with ``.tolist()`` (a recompile per packing). Installed once per process by :func:`install`, these change only
+what Dynamo traces; eager calls run the original code untouched.
+
+**One semantics: each packed sequence runs as if alone** (its conv and its recurrent state start from zero),
+as FLA's kernel, transformers <= 5.8.1 + verl and the op's reference compute it. Eager does not everywhere
+(upstream defects; one warning per process names the versions): transformers 5.9-5.10.4 + verl 0.9.1 hand
+``cu_seqlens`` to the torch fallback, which ignores it (the state leaks into the next sequence); transformers
+5.24's hub wrapper raises ``ValueError`` for ``cu_seq_lens_q`` without FLA, and with FLA runs the conv across
+sequence boundaries; a row packed only by ``position_ids`` reaches transformers' DeltaNet as one sequence.
 
 1. **transformers' torch reference** ``torch_chunk_gated_delta_rule`` of ``modeling_qwen3_5``,
-   ``modeling_qwen3_5_moe`` and ``modeling_qwen3_next`` (5.x module-level function; 5.10.4 and 4.57.6 bind it
-   to ``self.chunk_gated_delta_rule``: the same function object) is registered with
-   ``torch.compiler.substitute_in_graph``: Dynamo traces :func:`_traced_chunk_gated_delta_rule` instead, one
-   ``qwen_npu.chunk_gated_delta_rule`` call with GQA expanded in ATen. The result equals the reference's
-   (same arithmetic). Like the reference, it ignores ``cu_seqlens`` in its ``**kwargs`` (transformers'
-   torch fallback treats a packed row as one sequence; only FLA's kernel honours the offsets): compiled and
-   eager agree. When FLA is installed transformers binds FLA's function instead, which is
-   ``@torch.compiler.disable``: nothing is substituted (one INFO line).
+   ``modeling_qwen3_5_moe`` and ``modeling_qwen3_next`` (5.10.4 and 4.57.6 bind it to
+   ``self.chunk_gated_delta_rule``; 5.24 calls it module-level, where it is the hub wrapper that dispatches to
+   FLA when FLA imported) is registered with ``torch.compiler.substitute_in_graph``: Dynamo traces
+   :func:`_traced_chunk_gated_delta_rule` instead, one ``qwen_npu.chunk_gated_delta_rule`` call with GQA
+   expanded in ATen and the packed row's offsets (``cu_seqlens`` / ``cu_seq_lens_q``, or the host sequence ends
+   that :mod:`.varlen`'s pre-hook proves from ``position_ids`` and passes down as ``qwen_npu_seq_ends``) as a
+   tensor. transformers 5.24's module-level ``causal_conv1d_fn`` (the hub wrapper, which drops the offsets) is
+   substituted alike (:func:`_traced_causal_conv1d_fn`): the conv restarts per sequence.
 2. **verl 0.9.1's packed forward** ``qwen3_5_gated_delta_net_forward``
-   (``verl/models/transformers/qwen3_5.py``, installed by verl as ``Qwen3_5GatedDeltaNet.forward``): Dynamo
-   cannot substitute a module's ``forward`` (it inlines the class attribute directly), so the class attribute
-   is wrapped (:func:`_verl_forward_takeover`): eager calls, and every call outside what the traced path
-   covers, go to verl's function unchanged; a traced packed call (``cu_seqlens`` given, no cache, Ulysses
-   sp 1, no ``causal-conv1d`` / FLA kernels bound on the module) runs :func:`_traced_packed_forward`: verl's
-   arithmetic with the sequence offsets kept as a tensor (the causal conv by
-   :func:`packed_causal_conv1d`, the delta rule by the op with ``cu_seqlens``), no ``.item()`` and no
-   ``.tolist()``. With Ulysses sp > 1 verl 0.9.1 needs FLA's ``cp_context`` for Qwen3.5 (without FLA it
-   raises); the takeover leaves those calls to verl, so our path supports what verl supports there.
+   (``verl/models/transformers/qwen3_5.py``, installed by verl as ``Qwen3_5GatedDeltaNet.forward`` and
+   ``Qwen3_5MoeGatedDeltaNet.forward``): Dynamo cannot substitute a module's ``forward`` (it inlines the class
+   attribute directly), so the class attribute is wrapped (:func:`_verl_forward_takeover`). Eager calls go to
+   verl's function unchanged. A compiled packed call that :func:`packed_call_refusal` accepts (``cu_seqlens``
+   given, no cache, batch 1, Ulysses sp 1, the family on; whatever kernel is bound on the module: FLA,
+   ``causal-conv1d`` or the torch fallback) runs :func:`_traced_packed_forward`: verl's arithmetic with the
+   offsets kept a tensor (the conv by :func:`packed_causal_conv1d`, the delta rule by the op with
+   ``cu_seqlens``), no ``.item()``, no ``.tolist()``. A compiled packed call it declines (the family off, Ulysses
+   sp > 1: verl 0.9.1 runs Qwen3.5 context parallelism through FLA's ``cp_context``) runs verl's own function
+   outside the graph (``torch.compiler.disable``: one graph break around the DeltaNet), so the offsets that
+   :func:`~qwen_npu_compile.integrations.varlen.packed_layer_call` marks unbacked never reach verl's
+   ``.tolist()`` (which raised ``GuardOnDataDependentSymNode``); a layer whose DeltaNet still runs verl's
+   forward untaken (:func:`offsets_traceable`) gets no such mark.
 
 What this relies on is checked by :func:`install` (parameter names of the substituted functions, the
 attributes of the DeltaNet module, verl's forward signature); a mismatch refuses that substitution with one
@@ -60,10 +71,17 @@ TRANSFORMERS_MODULES = (
 #: verl's packed Qwen3.5 module and the function it installs as ``Qwen3_5GatedDeltaNet.forward``.
 VERL_MODULE = "verl.models.transformers.qwen3_5"
 VERL_FORWARD = "qwen3_5_gated_delta_net_forward"
+#: The DeltaNet classes whose ``forward`` verl 0.9.1's ``apply_monkey_patch`` sets to :data:`VERL_FORWARD`.
+VERL_CLASSES = (
+    ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet"),
+    ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet"),
+)
 
 #: Parameters of transformers' ``torch_chunk_gated_delta_rule`` the substitute reads (4.57.6, 5.10.4, 5.24.0).
 _HF_PARAMETERS = ("query", "key", "value", "g", "beta", "chunk_size", "initial_state", "output_final_state",
                   "use_qk_l2norm_in_kernel")
+#: Leading parameters of transformers >= 5.15's module-level ``causal_conv1d_fn`` (the hub wrapper's torch function).
+_CONV_PARAMETERS = ("hidden_states", "weight", "bias", "activation")
 #: Parameters of verl 0.9.1's ``qwen3_5_gated_delta_net_forward``.
 _VERL_PARAMETERS = ("self", "hidden_states", "cache_params", "attention_mask", "cu_seqlens", "cu_seqlens_cpu")
 #: Attributes of the DeltaNet module the traced packed forward reads.
@@ -75,8 +93,8 @@ _MODULE_ATTRIBUTES = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "con
 _enabled = True
 #: What :func:`install` put in place, by key (``"<module>.<function>"``).
 _installed: dict[str, str] = {}
-#: verl 0.9.1 passes ``cu_seqlens`` to transformers' torch delta rule, which ignores it (set by :func:`_install_verl`).
-_verl_offsets_ignored = False
+#: What eager transformers does with a packed row's offsets, by module (for :func:`warn_eager_differs`).
+_eager_behaviour: dict[str, str] = {}
 #: Refusals already logged.
 _refused: set[str] = set()
 
@@ -112,24 +130,76 @@ def _unsubstituted(function: types.FunctionType) -> types.FunctionType:
 # 1. transformers' torch reference
 
 
+#: The keyword argument the packed-sequence pre-hook passes every decoder layer (host sequence ends, int64 ``[N]``;
+#: :data:`qwen_npu_compile.integrations.varlen.SEQ_ENDS_KWARG`): transformers >= 5.15's DeltaNet hands its
+#: ``**kwargs`` on to the module-level conv and delta rule, so a packed row's offsets reach the substitutes.
+SEQ_ENDS_KWARG = "qwen_npu_seq_ends"
+
+
+def _offsets(kwargs: dict, device) -> torch.Tensor | None:
+    """The packed row's ``cu_seqlens`` ``[N + 1]`` from a call's keyword arguments: transformers' own
+    (``cu_seqlens``, ``cu_seq_lens_q``: flash-attention kwargs of a packed batch) or the pre-hook's host ends."""
+    for name in ("cu_seqlens", "cu_seq_lens_q"):
+        if isinstance(kwargs.get(name), torch.Tensor):
+            return kwargs[name]
+    ends = kwargs.get(SEQ_ENDS_KWARG)
+    if isinstance(ends, torch.Tensor):
+        return F.pad(ends, (1, 0)).to(device)
+    return None
+
+
 def _substitute_for(original: types.FunctionType):
     fallback = _unsubstituted(original)
 
     def _traced_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
                                        output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
-        """What Dynamo traces for transformers' ``torch_chunk_gated_delta_rule`` (same arguments and results)."""
+        """What Dynamo traces for transformers' ``torch_chunk_gated_delta_rule`` (same arguments and results; a
+        packed row's offsets honoured, each sequence from a zero state)."""
         heads, k_heads = value.shape[-2], key.shape[-2]
-        if not _enabled or heads % k_heads:
+        offsets = _offsets(kwargs, query.device)
+        if (not _enabled or heads % k_heads
+                or (offsets is not None and (initial_state is not None or query.shape[0] != 1))):
             return fallback(query, key, value, g, beta, chunk_size, initial_state, output_final_state,
                             use_qk_l2norm_in_kernel, **kwargs)
         if heads != k_heads:
             query = query.repeat_interleave(heads // k_heads, dim=2)
             key = key.repeat_interleave(heads // k_heads, dim=2)
         out, state = torch.ops.qwen_npu.chunk_gated_delta_rule(
-            query, key, value, g, beta, None, initial_state, query.shape[-1] ** -0.5, bool(use_qk_l2norm_in_kernel))
+            query, key, value, g, beta, offsets, initial_state, query.shape[-1] ** -0.5,
+            bool(use_qk_l2norm_in_kernel))
         return out, (state if output_final_state else None)
 
     return _traced_chunk_gated_delta_rule
+
+
+def _conv_substitute_for(original: types.FunctionType):
+    fallback = _unsubstituted(original)
+
+    def _traced_causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+        """What Dynamo traces for transformers' module-level ``causal_conv1d_fn`` (>= 5.15, ``[B, C, T]``,
+        ``weight [C, K]``): a packed row's offsets in ``kwargs`` make the conv restart per sequence
+        (:func:`packed_causal_conv1d`); anything else is transformers' code."""
+        offsets = _offsets(kwargs, hidden_states.device)
+        if (not _enabled or offsets is None or hidden_states.shape[0] != 1 or activation not in ("silu", "swish")
+                or kwargs.get("seq_idx") is not None):
+            return fallback(hidden_states, weight, bias, activation, **kwargs)
+        return packed_causal_conv1d(hidden_states, weight.unsqueeze(1), bias, offsets)
+
+    return _traced_causal_conv1d_fn
+
+
+def _eager_packed_behaviour(function) -> str:
+    """What transformers' eager code does with a packed row's offsets, for the one warning (5.24's hub wrapper:
+    FLA when it imported, else ``ValueError``; earlier the torch fallback ignores them)."""
+    closure = inspect.getclosurevars(function).nonlocals if hasattr(function, "__wrapped__") else {}
+    if closure.get("is_new_implementation"):
+        return ("eager dispatches the delta rule to FLA (per sequence) but runs the causal conv across sequence "
+                "boundaries (the conv wrapper drops cu_seq_lens_q)")
+    if hasattr(function, "__wrapped__"):
+        return ("eager raises ValueError (chunk_gated_delta_rule can't keep packed sequences apart without "
+                "flash-linear-attention) for cu_seq_lens_q, and runs a row packed by position_ids alone as one "
+                "sequence")
+    return "eager's torch fallback ignores cu_seqlens: each sequence starts from the previous one's state"
 
 
 def _install_transformers(module_name: str) -> str | None:
@@ -151,8 +221,34 @@ def _install_transformers(module_name: str) -> str | None:
         _installed[key] = ""
         return None
     torch.compiler.substitute_in_graph(function, skip_signature_check=True)(_substitute_for(function))
-    _installed[key] = f"{module_name.rsplit('.', 1)[-1]}.torch_chunk_gated_delta_rule -> {op_module.NAME}"
-    return _installed[key]
+    _eager_behaviour[module_name] = _eager_packed_behaviour(function)
+    line = f"{module_name.rsplit('.', 1)[-1]}.torch_chunk_gated_delta_rule -> {op_module.NAME}"
+    conv = getattr(module, "causal_conv1d_fn", None)
+    if (isinstance(conv, types.FunctionType) and hasattr(conv, "__wrapped__")
+            and tuple(inspect.signature(conv.__wrapped__).parameters)[:4] == _CONV_PARAMETERS):
+        torch.compiler.substitute_in_graph(conv, skip_signature_check=True)(_conv_substitute_for(conv))
+        line += " and causal_conv1d_fn -> per-sequence conv for packed rows"
+    _installed[key] = line
+    return line
+
+
+def warn_eager_differs(gm: torch.fx.GraphModule) -> None:
+    """One warning per process when ``gm`` runs transformers' DeltaNet on a packed row per sequence (the op with
+    offsets, traced from :func:`_substitute_for`), naming what eager does instead on these versions."""
+    if "eager-differs" in _refused:
+        return
+    target = torch.ops.qwen_npu.chunk_gated_delta_rule.default
+    for node in gm.graph.find_nodes(op="call_function", target=target):
+        trace = node.meta.get("stack_trace") or ""
+        if node.args[5] is None or "_traced_chunk_gated_delta_rule" not in trace:
+            continue
+        module = next((name for name in TRANSFORMERS_MODULES if name.rsplit(".", 1)[-1] + ".py" in trace), None)
+        behaviour = _eager_behaviour.get(module) or next(iter(_eager_behaviour.values()), "")
+        _refused.add("eager-differs")
+        log.warning("qwen_npu: %s: a packed row reaches the Gated DeltaNet (cu_seq_lens_q, or sequence ends proven "
+                    "from position_ids); %s (an upstream defect). Compiled runs each sequence from a zero state and "
+                    "restarts the causal conv per sequence, as if alone", _versions(), behaviour)
+        return
 
 
 # --------------------------------------------------------------------------------------------------
@@ -193,7 +289,8 @@ def packed_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 def _traced_packed_forward(self, hidden_states, attention_mask, cu_seqlens):
     """verl 0.9.1's ``qwen3_5_gated_delta_net_forward`` for a packed row without cache or context parallelism,
-    with ``cu_seqlens`` kept a tensor (see the module docstring)."""
+    with ``cu_seqlens`` kept a tensor and every sequence restarting the conv and the recurrent state (see the
+    module docstring)."""
     module = sys.modules[type(self).__module__]
     hidden_states = module.apply_mask_to_padding_states(hidden_states, attention_mask)
     batch, tokens, _ = hidden_states.shape
@@ -211,19 +308,10 @@ def _traced_packed_forward(self, hidden_states, attention_mask, cu_seqlens):
     if self.num_v_heads // self.num_k_heads > 1:
         query = query.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
         key = key.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
-    # verl hands cu_seqlens to a delta rule whose signature takes it (**kwargs counts); transformers' torch reference
-    # then ignores it and runs the row as one sequence. Keep exactly that (see _install_verl); split otherwise.
-    offsets = None if _verl_offsets_ignored else cu_seqlens
-    out, _ = torch.ops.qwen_npu.chunk_gated_delta_rule(query, key, value, g, beta, offsets, None,
+    out, _ = torch.ops.qwen_npu.chunk_gated_delta_rule(query, key, value, g, beta, cu_seqlens, None,
                                                        self.head_k_dim ** -0.5, True)
     out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
     return self.out_proj(out.reshape(batch, tokens, -1))
-
-
-def _torch_reference_bound(module) -> bool:
-    """Whether the module runs transformers' torch code (no ``causal-conv1d`` kernel, the torch delta rule)."""
-    rule = getattr(module, "chunk_gated_delta_rule", None)
-    return module.causal_conv1d_fn is None and getattr(rule, "__name__", "") == "torch_chunk_gated_delta_rule"
 
 
 def _ulysses_size() -> int:
@@ -231,13 +319,42 @@ def _ulysses_size() -> int:
     return verl_ulysses.get_ulysses_sequence_parallel_world_size() if verl_ulysses else 1
 
 
+def packed_call_refusal(module, hidden_states, cache_params, cu_seqlens) -> str | None:
+    """Why a compiled packed call of verl's DeltaNet forward does not run :func:`_traced_packed_forward` (None
+    when it does). The one place for these conditions: the takeover and
+    :func:`~qwen_npu_compile.integrations.varlen.packed_layer_call` (which marks the offsets unbacked) read it.
+
+    What is bound on the module (FLA's ``@torch.compiler.disable`` ``chunk_gated_delta_rule``, ``causal-conv1d``'s
+    kernel, transformers' torch fallback) does not matter: the traced path computes what FLA's kernel and a
+    per-sequence conv compute, each sequence from a zero state.
+    """
+    if not _enabled:
+        return "the gated_delta_rule family is off"
+    if cu_seqlens is None:
+        return "no cu_seqlens (not a packed row)"
+    if cache_params is not None:
+        return "a cache is passed (generation)"
+    if hidden_states.shape[0] != 1:
+        return f"batch {hidden_states.shape[0]} (a packed row has batch 1)"
+    if _ulysses_size() != 1:
+        return (f"Ulysses sp {_ulysses_size()} (verl 0.9.1 runs Qwen3.5 context parallelism through FLA's "
+                "cp_context, outside any graph)")
+    return check_module(module)
+
+
 def _verl_forward_takeover(original):
+    # verl's own code for the calls the traced path declines: its int(cu_seqlens[-1].item()) and .tolist() splits
+    # run outside the graph (one graph break around the DeltaNet), so offsets marked unbacked never reach them
+    island = torch.compiler.disable(original, recursive=True)
+
     @functools.wraps(original)
     def qwen3_5_gated_delta_net_forward(self, hidden_states, cache_params=None, attention_mask=None, cu_seqlens=None,
                                         cu_seqlens_cpu=None):
-        if (torch.compiler.is_compiling() and _enabled and cu_seqlens is not None and cache_params is None
-                and hidden_states.shape[0] == 1 and _ulysses_size() == 1 and _torch_reference_bound(self)):
-            return _traced_packed_forward(self, hidden_states, attention_mask, cu_seqlens)
+        if torch.compiler.is_compiling() and cu_seqlens is not None:
+            if packed_call_refusal(self, hidden_states, cache_params, cu_seqlens) is None:
+                return _traced_packed_forward(self, hidden_states, attention_mask, cu_seqlens)
+            return island(self, hidden_states, cache_params=cache_params, attention_mask=attention_mask,
+                          cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
         return original(self, hidden_states, cache_params=cache_params, attention_mask=attention_mask,
                         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
 
@@ -245,45 +362,74 @@ def _verl_forward_takeover(original):
     return qwen3_5_gated_delta_net_forward
 
 
+def offsets_traceable(layer: torch.nn.Module) -> bool:
+    """Whether ``layer``'s traced code reads verl's ``cu_seqlens`` / ``cu_seqlens_cpu`` only through
+    :func:`_verl_forward_takeover` (or not at all): False when one of its modules still runs verl's own packed
+    DeltaNet forward (``int(cu_seqlens[-1].item())``, ``.tolist()``), where offsets marked unbacked raise
+    ``GuardOnDataDependentSymNode`` (the takeover refused, or verl patched after :func:`install`).
+
+    Called before each packed compiled call (outside the graph): the first DeltaNet met whose eager packed path
+    leaks the state across sequences (:func:`_eager_leaks_state`) logs the one warning saying so."""
+    for module in layer.modules():
+        forward = getattr(type(module), "forward", None)
+        if getattr(forward, "__name__", "") != VERL_FORWARD:
+            continue
+        if not hasattr(forward, "_qwen_npu_original"):
+            return False
+        if _enabled and "eager-leaks" not in _refused and _eager_leaks_state(module):
+            _refused.add("eager-leaks")
+            log.warning("qwen_npu: %s: verl's eager packed Qwen3.5 forward hands cu_seqlens to transformers' "
+                        "torch_chunk_gated_delta_rule (its **kwargs pass verl's _call_accepts_kwarg), which "
+                        "ignores it: in eager, each packed sequence starts from the previous one's DeltaNet state "
+                        "(an upstream defect of transformers 5.9-5.10.4 + verl 0.9.1; transformers <= 5.8.1 + "
+                        "verl, and FLA, restart per sequence). Compiled runs each sequence from a zero state, as "
+                        "if alone: losses differ from the unset run by design", _versions())
+    return True
+
+
+def _eager_leaks_state(module) -> bool:
+    """Whether verl's eager packed forward hands ``cu_seqlens`` to the torch fallback bound on ``module``, which
+    ignores it (transformers 5.9-5.10.4: its ``**kwargs`` pass verl's ``_call_accepts_kwarg``)."""
+    rule = getattr(module, "chunk_gated_delta_rule", None)
+    if getattr(rule, "__name__", "") != "torch_chunk_gated_delta_rule":
+        return False  # FLA (per sequence) or something else
+    accepts = getattr(sys.modules.get(VERL_MODULE), "_call_accepts_kwarg", None)
+    return bool(accepts and accepts(rule, "cu_seqlens"))
+
+
 def _install_verl() -> str | None:
     verl_module = sys.modules.get(VERL_MODULE)
     if verl_module is None:
         return None
     key = f"{VERL_MODULE}.{VERL_FORWARD}"
-    if key in _installed:
-        return _installed[key]
     original = getattr(verl_module, VERL_FORWARD, None)
     names = tuple(inspect.signature(original).parameters) if callable(original) else ()
     if names != _VERL_PARAMETERS:
         _refuse(key, f"its parameters are {names or 'missing'}, expected {_VERL_PARAMETERS}")
         _installed[key] = ""
         return None
-    hf_module = sys.modules.get(TRANSFORMERS_MODULES[0])
-    cls = getattr(hf_module, "Qwen3_5GatedDeltaNet", None) if hf_module else None
-    if cls is None or getattr(cls.forward, "_qwen_npu_original", None) is original:
-        return _installed.get(key)
-    if cls.forward is not original:  # verl's monkey patch not applied (yet): nothing to take over
-        return None
-    global _verl_offsets_ignored
-    accepts = getattr(verl_module, "_call_accepts_kwarg", None)
-    reference = getattr(hf_module, "torch_chunk_gated_delta_rule", None)
-    _verl_offsets_ignored = bool(accepts and reference and accepts(reference, "cu_seqlens"))
-    if _verl_offsets_ignored:
-        log.warning("qwen_npu: %s: verl's packed Qwen3.5 forward hands cu_seqlens to transformers' torch "
-                    "torch_chunk_gated_delta_rule (its **kwargs pass verl's _call_accepts_kwarg), which ignores it: the "
-                    "sequences packed in one row share the DeltaNet's recurrent state (the causal conv does restart "
-                    "per sequence). Compiled runs keep that behaviour, to match the unset run; FLA's kernel honours "
-                    "the offsets", _versions())
-    cls.forward = _verl_forward_takeover(original)
-    _installed[key] = f"verl {VERL_FORWARD} (packed rows) -> {op_module.NAME} with tensor cu_seqlens"
-    return _installed[key]
+    taken = []
+    for module_name, class_name in VERL_CLASSES:
+        hf_module = sys.modules.get(module_name)
+        cls = getattr(hf_module, class_name, None) if hf_module else None
+        if cls is None or getattr(cls.forward, "_qwen_npu_original", None) is original:
+            continue
+        if cls.forward is not original:  # verl's monkey patch not applied (yet): nothing to take over
+            continue
+        cls.forward = _verl_forward_takeover(original)
+        taken.append(class_name)
+    if taken:
+        _installed[key] = (f"verl {VERL_FORWARD} of {', '.join(taken)} (packed rows) -> {op_module.NAME} with "
+                           "tensor cu_seqlens, per sequence")
+    return _installed.get(key)
 
 
 def warn_if_substituted_while_disabled(gm: torch.fx.GraphModule, fusions) -> None:
     """One warning when ``gm`` holds the op although the ``gated_delta_rule`` family is off in these options:
     Dynamo substitutes while it traces, before a backend sees ``torch.compile(options=...)``; the switch set now
     reaches the next trace (Dynamo's guard on it recompiles the frame). ``QWEN_NPU_FUSIONS`` and
-    ``maybe_compile``'s options are read before tracing."""
+    ``maybe_compile``'s options are read before tracing. Also :func:`warn_eager_differs`."""
+    warn_eager_differs(gm)
     if "gated_delta_rule" in fusions or "disabled" in _refused:
         return
     target = torch.ops.qwen_npu.chunk_gated_delta_rule.default

@@ -513,18 +513,27 @@ def _ulysses_dispatch(ulysses_forward):
     return _flash_attention_forward
 
 
-def packed_layer_call(args: tuple, kwargs: dict):
+def packed_layer_call(args: tuple, kwargs: dict, layer: nn.Module | None = None):
     """The context a decoder layer's compiled call runs in (``worker._CompiledLayerCall``): for a packed
     micro-batch (the offsets passed as :data:`SEQ_ENDS_KWARG`), its token dim marked dynamic
-    (:func:`mark_tokens_dynamic`) and, with Ulysses sp > 1, :func:`ulysses_tracing`; otherwise nothing."""
+    (:func:`mark_tokens_dynamic`) and, with Ulysses sp > 1, :func:`ulysses_tracing`; otherwise nothing.
+
+    verl's own offsets ``cu_seqlens`` / ``cu_seqlens_cpu`` (its packed Qwen3.5 forward) are marked unbacked (no
+    recompile per number of sequences) only when ``layer``'s traced code reads them through the DeltaNet
+    takeover (:func:`~qwen_npu_compile.integrations.deltanet.offsets_traceable`): verl's own forward would call
+    ``.tolist()`` on them, which an unbacked size turns into ``GuardOnDataDependentSymNode``. ``layer`` None
+    (a caller that does not say): not marked."""
     import contextlib
+
+    from . import deltanet
 
     if SEQ_ENDS_KWARG not in kwargs:
         return contextlib.nullcontext()
     mark_tokens_dynamic(args, kwargs)
-    for name in ("cu_seqlens", "cu_seqlens_cpu"):  # verl's own offsets (its packed Qwen3.5 forward): no recompile per packing
-        if isinstance(kwargs.get(name), torch.Tensor):
-            _mark_unbacked(kwargs[name], 0)
+    if layer is not None and deltanet.offsets_traceable(layer):
+        for name in ("cu_seqlens", "cu_seqlens_cpu"):
+            if isinstance(kwargs.get(name), torch.Tensor):
+                _mark_unbacked(kwargs[name], 0)
     return ulysses_tracing(kwargs)
 
 

@@ -459,7 +459,7 @@ class _CompiledLayerCall:
         try:
             # a packed micro-batch (integrations/varlen.py): one graph for every T; sp > 1: one split around
             # verl's all-to-all
-            with packed_layer_call(args, kwargs):
+            with packed_layer_call(args, kwargs, self.layer):
                 if _passes_cache(kwargs):
                     if not _training_with_an_unused_cache(self.layer, kwargs):
                         return self._run_with_cache(args, kwargs)

@@ -17,9 +17,11 @@ pytestmark = pytest.mark.usefixtures("simulated_npu_ops")
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    """Tiles of 5 query rows x 4 keys: every case below spans several tiles both ways (and a ragged last one)."""
+    """Tiles of 5 query rows x 4 keys (the flash path's row-max pass: 3 x 3): every case below spans several tiles
+    both ways (and a ragged last one)."""
     monkeypatch.setattr(attention_blockwise, "BLOCK_Q", 5)
     monkeypatch.setattr(attention_blockwise, "BLOCK_K", 4)
+    monkeypatch.setattr(attention_blockwise, "ROW_MAX_BLOCK", 3)
 
 
 def dense(q, k, v, do, nq, nkv, scale, pse=None, atten_mask=None, sparse_mode=0, pre=2147483647, nxt=2147483647):
@@ -104,28 +106,52 @@ def test_blockwise_equals_the_dense_formula(small_tiles, b, nq, nkv, sq, skv, d,
         assert torch.count_nonzero(out[1, :, :6]) == 0 and torch.count_nonzero(dq[1, :, :6]) == 0
 
 
+@pytest.mark.parametrize("kind,flash", [("none", True), ("causal2", True), ("causal3", False), ("left_pad", False),
+                                        ("band", False), ("pse", False)])
+def test_torch_flash_attention_only_where_it_computes_the_call(small_tiles, monkeypatch, kind, flash):
+    """aten._scaled_dot_product_flash_attention_for_cpu (forward and backward) for no mask and the left-up causal
+    mask (mode 2; mode 3 only with Sq == Skv); the own loop for explicit masks, the band, pse and mode 3 with
+    Sq > Skv (fully masked rows)."""
+    used = []
+    real = attention_blockwise._flash_forward
+    monkeypatch.setattr(attention_blockwise, "_flash_forward", lambda *a: used.append(a[3]) or real(*a))
+    sq, skv = (14, 9) if kind == "causal3" else (13, 13)
+    q, k, v = torch.randn(2, 4, sq, 64), torch.randn(2, 2, skv, 64), torch.randn(2, 2, skv, 64)
+    options = setup(kind, 2, 4, sq, skv, torch.Generator().manual_seed(0))
+    fusion_attention.reference_fusion_attention(q, k, v, 4, "BNSD", scale=0.125, **options)
+    fusion_attention.reference_fusion_attention_grad(q, k, v, torch.randn(2, 4, sq, 64), 4, "BNSD", scale_value=0.125,
+                                                     **options)
+    assert used == ([kind == "causal2"] * 2 if flash else [])
+
+
 def test_masked_out_tiles_are_skipped(small_tiles, monkeypatch):
-    """Causal: the tiles above the diagonal are never computed (the work of a causal call is about half)."""
+    """The own loop with a causal band (mode 0, next_tockens=0): the tiles above the diagonal are never computed
+    (the work of a causal call is about half)."""
     calls = []
     real = attention_blockwise._scores
     monkeypatch.setattr(attention_blockwise, "_scores", lambda *a: calls.append(a[-4:]) or real(*a))
     q = torch.randn(1, 2, 20, 64)
-    fusion_attention.reference_fusion_attention(q, q, q, 2, "BNSD", scale=0.125,
-                                                atten_mask=fusion_attention.compressed_causal_mask(), sparse_mode=2)
+    fusion_attention.reference_fusion_attention(q, q, q, 2, "BNSD", scale=0.125, next_tockens=0,
+                                                atten_mask=torch.zeros(20, 20, dtype=torch.bool), sparse_mode=0)
     # rows in 4 blocks of 5, keys in 5 blocks of 4: tiles with c0 <= r1 - 1 only
     expected = [(r0, r0 + 5, c0, c0 + 4) for r0 in range(0, 20, 5) for c0 in range(0, 20, 4) if c0 <= r0 + 4]
     assert calls == expected
 
 
-def test_no_full_score_matrix_at_a_long_length(monkeypatch):
-    """At S = 1024 (4 x 4 tiles of 256) no [S, S] fp32 tensor is allocated: the largest fp32 tensor of the tile
-    loop is at most a quarter of one [B, N, S, S] score matrix, and the results equal the dense formula's."""
-    monkeypatch.setattr(attention_blockwise, "BLOCK_Q", 256)
-    monkeypatch.setattr(attention_blockwise, "BLOCK_K", 256)
+@pytest.mark.parametrize("kind", ["causal2", "left_pad"])
+def test_no_full_score_matrix_at_a_long_length(monkeypatch, kind):
+    """At S = 1024 (4 x 4 tiles of 256) no [S, S] fp32 tensor is allocated, on the flash path (causal) or the own
+    loop (a padded causal mask): the largest fp32 tensor is at most a quarter of one [B, N, S, S] score matrix, and
+    the results equal the dense formula's."""
+    for name in ("BLOCK_Q", "BLOCK_K", "ROW_MAX_BLOCK"):
+        monkeypatch.setattr(attention_blockwise, name, 256)
     torch.manual_seed(0)
     b, n, s, d = 1, 2, 1024, 64
     q, k, v, do = (torch.randn(b, n, s, d) for _ in range(4))
-    mask = fusion_attention.compressed_causal_mask()
+    options = setup(kind, b, n, s, s, None)
+    if kind == "left_pad":
+        options = dict(atten_mask=padded_causal(b, s, [100]), sparse_mode=0)
+    mask, mode = options["atten_mask"], options["sparse_mode"]
     sizes = []
 
     class Watch(torch.utils._python_dispatch.TorchDispatchMode):
@@ -138,11 +164,11 @@ def test_no_full_score_matrix_at_a_long_length(monkeypatch):
 
     with Watch():
         out, *_ = fusion_attention.reference_fusion_attention(q, k, v, n, "BNSD", scale=0.125, atten_mask=mask,
-                                                              sparse_mode=2)
+                                                              sparse_mode=mode)
         grads = fusion_attention.reference_fusion_attention_grad(q, k, v, do, n, "BNSD", scale_value=0.125,
-                                                                 atten_mask=mask, sparse_mode=2)
+                                                                 atten_mask=mask, sparse_mode=mode)
     assert max(sizes) <= b * n * s * s // 4
-    want = dense(q, k, v, do, n, n, 0.125, atten_mask=mask, sparse_mode=2)
+    want = dense(q, k, v, do, n, n, 0.125, atten_mask=mask, sparse_mode=mode)
     torch.testing.assert_close(out, want[0], atol=2e-5, rtol=2e-5)
     for got, ref in zip(grads[:3], want[3:]):
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

@@ -2,7 +2,8 @@
 its harness is :mod:`qwen_npu_compile.check` (run: ``check.harness``, parity: ``check.parity``, models:
 ``check.models``, output: ``check.table``).
 
-``check`` builds a Qwen2/Qwen2.5 model (a preset or a local Hugging Face directory), runs eager and
+``check`` builds a Qwen-family model (dense Qwen2/2.5/3, MoE, the Qwen3.5 / Qwen3-Next hybrids of Gated DeltaNet and
+gated attention; a preset or a local Hugging Face directory), runs eager and
 ``torch.compile(backend="qwen_npu")`` forward (and backward in train mode) on the same random tokens,
 and prints, stage by stage, then as a table: per family fused vs expected (from the config), the
 error of logits and gradients against eager with the tolerance used, compile time, and a verdict.
@@ -11,6 +12,10 @@ With ``--downstream torchair`` on a host without an NPU, torchair's own FX→GE 
 Exit status 0 only when every expected fusion happened and parity holds (1: check failed,
 2: bad arguments, the run would not fit in memory, or torchair could not be obtained).
 
+``presets`` lists the presets (one line each); ``--version`` prints the version. A model that is neither a
+preset nor a folder (a typo, a hub id) and a ``config.json`` that leaves the architecture to transformers'
+defaults are refused in one line before torch is imported (exit status 2).
+
 ``report DIR...`` reads the dump folders of a finished run (one per rank) and prints fusions, refusals,
 GE conversion failures and graphs per call site: :mod:`qwen_npu_compile.run_report`.
 """
@@ -18,12 +23,17 @@ GE conversion failures and graphs per call site: :mod:`qwen_npu_compile.run_repo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
-from .check.presets import PRESETS  # data only: no torch
+from . import __version__  # no torch
+from .check.model_folder import architecture_problem  # no torch
+from .check.presets import PRESETS, preset_lines, unknown_model_message  # data only: no torch
 from .run_report import FAMILY_NAMES  # no torch
 
 # No torch, transformers or pattern import at module level: ``--help``, argument errors and ``report`` need
@@ -52,9 +62,11 @@ def positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qwen-npu-compile",
-        description="Fuse Qwen-family subgraphs (RMSNorm, SwiGLU, RoPE, attention, MoE experts, gated RMSNorm) into "
-                    "Ascend NPU ops with torch.compile(backend='qwen_npu'); without an NPU, simulated ops on the CPU.",
+        description="Fuse Qwen-family subgraphs (RMSNorm, SwiGLU, RoPE, attention, MoE experts, gated RMSNorm, the "
+                    "Gated DeltaNet's chunked delta rule) into Ascend NPU ops with torch.compile(backend='qwen_npu'); "
+                    "without an NPU, simulated ops on the CPU.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser(
         "check",
@@ -95,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--dump-dir", type=Path, default=None, help="write graphs, report.json and summary.json here")
     check.add_argument("--json", type=Path, default=None, dest="json_path", metavar="FILE", help="write the results as JSON")
     check.add_argument("-v", "--verbose", action="store_true", help="log every qwen_npu line")
+    sub.add_parser("presets", help="list the presets check accepts (one line each)",
+                   description="List the presets of check MODEL: name, model type, layers, hidden size, heads/KV heads.")
     report = sub.add_parser(
         "report",
         help="read the dump folders of a run (summary.json / report.json) and say what fused",
@@ -116,6 +130,13 @@ def main(argv: list[str] | None = None) -> int:
         from . import run_report  # no torch
 
         return run_report.main(args)
+    if args.command == "presets":
+        print("\n".join(preset_lines()))
+        return 0
+    # Refusals that need no torch (a typo answers at once, not after torch's import).
+    if (problem := unknown_model_message(args.model) or architecture_problem(args.model)) is not None:
+        print(f"qwen-npu-compile: error: {problem}", file=sys.stderr)
+        return 2
     import torch
 
     from .check.table import print_table
@@ -126,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qwen-npu-compile: error: --json {str(args.json_path)!r} {problem}", file=sys.stderr)
         return 2  # before the check runs: its results would be lost at the end
     try:
-        result = run_check(args)
+        with explained_kernel_fallbacks():
+            result = run_check(args)
     except (ValueError, MemoryError, TorchairUnavailableError) as exc:
         print(f"qwen-npu-compile: error: {exc}", file=sys.stderr)
         return 2
@@ -159,6 +181,56 @@ def run_check(args: argparse.Namespace) -> dict:
     from .check.harness import run_check as run
 
     return run(args)
+
+
+#: transformers' warnings that the Gated DeltaNet layers (Qwen3.5, Qwen3-Next) run its PyTorch reference code
+#: because GPU kernel packages are not installed: transformers 5.2x (``integrations/hub_kernels.py``, one per
+#: package: ``causal_conv1d``, ``flash-linear-attention``) and earlier (``modeling_qwen3_5/next.py``, "The fast path
+#: is not available ...").
+_KERNEL_FALLBACK = re.compile(r"is falling back to its reference PyTorch implementation because `([^`]+)` is not "
+                              r"installed|The fast path is not available because one of the required library")
+
+#: The one line ``check`` prints instead of those warnings.
+KERNEL_FALLBACK_NOTE = (
+    "note: transformers runs the eager Gated DeltaNet layers with its PyTorch reference code (the CUDA packages "
+    "flash-linear-attention / causal-conv1d are not installed): correct, only slower; nothing to install for check, "
+    "whose compiled model computes the delta rule with qwen_npu::chunk_gated_delta_rule"
+)
+
+
+class _KernelFallbackFilter(logging.Filter):
+    """Drops :data:`_KERNEL_FALLBACK` records; the first one prints :data:`KERNEL_FALLBACK_NOTE` to stderr."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not _KERNEL_FALLBACK.search(record.getMessage()):
+            return True
+        if not self.seen:
+            self.seen = True
+            print(KERNEL_FALLBACK_NOTE, file=sys.stderr, flush=True)
+        return False
+
+
+@contextlib.contextmanager
+def explained_kernel_fallbacks() -> Iterator[_KernelFallbackFilter]:
+    """While ``check`` runs: transformers' "install causal_conv1d / flash-linear-attention" warnings are expected
+    on a host without CUDA (the eager reference of a Qwen3.5 / Qwen3-Next model) and are replaced by one line of
+    ours (:data:`KERNEL_FALLBACK_NOTE`). A filter on the handlers of transformers' library logger (which does not
+    propagate), removed afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    handlers = hf_logging.get_logger("transformers").handlers + logging.getLogger().handlers  # configures its handler
+    filt = _KernelFallbackFilter()
+    for handler in handlers:
+        handler.addFilter(filt)
+    try:
+        yield filt
+    finally:
+        for handler in handlers:
+            handler.removeFilter(filt)
 
 
 def json_path_problem(path: Path) -> str | None:

@@ -35,6 +35,43 @@ POSITIVE_INT_FIELDS = (
 _MAX_HEADER = 100_000_000
 
 
+#: Architecture fields a checkpoint's ``config.json`` (or its ``text_config``) states; one left out is filled in by
+#: transformers' config class defaults (Qwen2Config's: 32 layers of 4096), never what a checkpoint has. ``intermediate_size`` is not a field of Qwen3.5-MoE's text config.
+ARCHITECTURE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+_NO_INTERMEDIATE_SIZE = ("qwen3_5_moe_text",)
+#: Multimodal model types whose architecture is in ``text_config`` (:data:`.model_types.MULTIMODAL_TEXT_TYPES`).
+_MULTIMODAL = ("qwen3_5", "qwen3_5_moe")
+
+
+def architecture_problem(model: str) -> str | None:
+    """For a local model folder: the one-line refusal of a ``config.json`` that leaves architecture fields
+    (:data:`ARCHITECTURE_FIELDS`) to transformers' defaults, e.g. ``{"model_type": "qwen2"}`` alone, which
+    would build transformers' default model (Qwen2Config's: 32 layers of 4096, billions of parameters) instead of
+    the checkpoint's; None for a preset, a folder without a readable config.json (:mod:`.models` says why) or a
+    complete one. Reads the JSON only (no torch): ``qwen-npu-compile check`` refuses at once, exit status 2."""
+    config_file = Path(model).expanduser() / "config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        data = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    where = str(config_file)
+    if data.get("model_type") in _MULTIMODAL:
+        if not isinstance(data.get("text_config"), dict):
+            return None  # models._text_config_data names it
+        data, where = data["text_config"], f"{config_file} (text_config)"
+    fields = [f for f in ARCHITECTURE_FIELDS if not (f == "intermediate_size" and data.get("model_type") in
+                                                     _NO_INTERMEDIATE_SIZE)]
+    missing = [f for f in fields if f not in data]
+    if not missing:
+        return None
+    return (f"{where} leaves {', '.join(missing)} to transformers' defaults, which would build transformers' default "
+            "model, not a checkpoint's; use the checkpoint's own config.json (or set these fields)")
+
+
 def one_line(text: object) -> str:
     """``text`` with its lines joined by ``"; "`` (transformers' config errors span several lines)."""
     lines = [line.strip() for line in str(text).splitlines() if line.strip()]
@@ -86,11 +123,15 @@ def resolve_config(model: str) -> Any:
     its errors as one line.
 
     Raises:
-        ModelFolderError: an unknown model, a folder without a readable, valid config, or a config with
-            sizes no model can have.
+        ModelFolderError: an unknown model, a folder without a readable, valid config, a config that leaves
+            the architecture to transformers' defaults (:func:`architecture_problem`), or a config with sizes no
+            model can have.
     """
     from . import models
 
+    problem = architecture_problem(model)
+    if problem is not None:
+        raise ModelFolderError(problem)
     try:
         config = models.resolve_model_config(model)
     except ValueError as exc:

@@ -3,6 +3,7 @@
 import json
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -67,9 +68,96 @@ def test_missing_fusion_fails_the_verdict(npu_ops, tiny_model_dir, capsys, monke
 
 
 def test_unknown_model_is_a_one_line_error(capsys):
-    assert cli.main(["check", "qwen9-1b"]) == 2
+    assert cli.main(["check", "qwen2.5-05b"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("qwen-npu-compile: error:") and "qwen2.5-0.5b" in err
+    assert err.startswith("qwen-npu-compile: error:") and err.count("\n") == 1 and len(err) < 200, err
+    assert "did you mean qwen2.5-0.5b," in err and "qwen-npu-compile presets" in err
+
+
+#: In a fresh interpreter: each refusal's exit status and first stderr line, and whether torch was imported.
+_NO_TORCH = """
+import contextlib, io, json, sys
+from qwen_npu_compile import cli
+out = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = cli.main(argv)
+    out.append([status, err.getvalue()])
+print(json.dumps({"results": out, "torch": "torch" in sys.modules}))
+"""
+
+
+def test_typos_hub_ids_and_default_configs_are_refused_without_torch(tmp_path):
+    """A preset typo, a hub id and a config.json that leaves the architecture to transformers' defaults: one line
+    each, exit status 2, and torch never imported (the answer comes at once, not after torch's import)."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    multimodal = tmp_path / "vl"
+    multimodal.mkdir()
+    (multimodal / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": {
+        "model_type": "qwen3_5_text", "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 8}}))
+    argvs = [["check", "qwen3.5-08b"], ["check", "Qwen/Qwen2.5-0.5B-Instruct"], ["check", str(tmp_path)],
+             ["check", str(multimodal)], ["check", "./no/such/folder"]]
+    done = subprocess.run([sys.executable, "-c", _NO_TORCH, json.dumps(argvs)], capture_output=True, text=True,
+                          timeout=120, check=True)
+    data = json.loads(done.stdout)
+    assert data["torch"] is False
+    (typo, hub, default, vl, missing) = data["results"]
+    assert all(status == 2 and err.count("\n") == 1 for status, err in data["results"]), data
+    assert "did you mean qwen3.5-0.8b," in typo[1] and "(list: qwen-npu-compile presets)" in typo[1]
+    assert ("huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir Qwen2.5-0.5B-Instruct" in hub[1]
+            and "preset of its shapes: qwen2.5-0.5b" in hub[1]), hub
+    assert (f"{tmp_path / 'config.json'} leaves hidden_size, num_hidden_layers, num_attention_heads, "
+            "intermediate_size, vocab_size to transformers' defaults") in default[1]
+    assert "(text_config) leaves intermediate_size, vocab_size to transformers' defaults" in vl[1]
+    assert "no such folder: './no/such/folder'" in missing[1]
+
+
+def test_version_presets_and_python_dash_m(capsys):
+    done = subprocess.run([sys.executable, "-m", "qwen_npu_compile", "--version"], capture_output=True, text=True,
+                          timeout=120)
+    from qwen_npu_compile import __version__
+
+    assert (done.returncode, done.stdout.strip()) == (0, f"qwen-npu-compile {__version__}")
+    assert cli.main(["presets"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(models.PRESETS)
+    assert any(line.startswith("qwen3.5-0.8b") and "qwen3_5_text" in line and "24 layers, hidden 1024" in line
+               for line in lines)
+
+
+def test_transformers_kernel_fallback_warnings_become_one_note(capsys):
+    """The eager Qwen3.5 / Qwen3-Next reference on a host without CUDA makes transformers warn once per missing
+    package (causal_conv1d, flash-linear-attention; older versions: "The fast path is not available"); check
+    prints one line of its own instead and lets every other warning through."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    logger = hf_logging.get_logger("transformers.integrations.hub_kernels")
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    hf_logging.get_logger("transformers").addHandler(handler)  # what the user's terminal would show
+    try:
+        with cli.explained_kernel_fallbacks():
+            for package in ("causal_conv1d", "flash-linear-attention"):
+                logger.warning(f"`f` is falling back to its reference PyTorch implementation because `{package}` is "
+                               f"not installed. This is correct but much slower; install `{package}` for the kernel.")
+            logger.warning("The fast path is not available because one of the required library is not installed.")
+            logger.warning("another warning")
+        assert capsys.readouterr().err.count(cli.KERNEL_FALLBACK_NOTE) == 1
+        assert seen == ["another warning"]
+        logger.warning("The fast path is not available because one of the required library is not installed.")
+        assert len(seen) == 2  # the filter is gone after the check
+    finally:
+        hf_logging.get_logger("transformers").removeHandler(handler)
+
+
+def test_the_delta_rules_backward_op_is_expected_once_per_fusion():
+    from qwen_npu_compile.patterns import FAMILIES
+
+    assert FAMILIES["gated_delta_rule"].backward_op_counts(3) == {"qwen_npu.chunk_gated_delta_rule_backward": 3}
 
 
 def test_memory_refusal_suggests_layers(monkeypatch, capsys):

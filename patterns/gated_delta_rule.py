@@ -71,8 +71,9 @@ class GatedDeltaRuleFamily(FusionFamily):
 
     @classmethod
     def backward_op_counts(cls, fusions: int) -> dict[str, int]:
-        """No ``npu`` backward op: the backward is ``qwen_npu::chunk_gated_delta_rule_backward``."""
-        return {}
+        """No ``npu`` backward op: the backward is ``qwen_npu::chunk_gated_delta_rule_backward``, once per fusion
+        (keyed ``qwen_npu.<op>``, as ``check`` lists our own ops of the AOT backward graph)."""
+        return {"qwen_npu.chunk_gated_delta_rule_backward": fusions}
 
     def iter_variants(self):
         return iter(())

@@ -165,6 +165,7 @@ def _recording_compiler(kind: str, report: GraphReport, config: QwenNpuConfig):
     def compiler(gm: torch.fx.GraphModule, example_inputs):
         aot_layout.pin_aot_graph(gm, kind, report)
         report.aot_ops[kind] = npu_op_counts(gm.graph)
+        report.aot_qwen_npu_ops[kind] = npu_op_counts(gm.graph, "qwen_npu")
         dump.write_graph(config, report, f"aot_{kind}", gm)
         dump.write_report(report, config)
         return make_boxed_func(gm.forward)
@@ -316,6 +317,7 @@ class _TorchairGuard:
     def eager(self, gm: torch.fx.GraphModule, kind: str, when: str, exc: BaseException):
         self.failed.add(kind)
         self.report.aot_ops[kind] = npu_op_counts(gm.graph)
+        self.report.aot_qwen_npu_ops[kind] = npu_op_counts(gm.graph, "qwen_npu")
         downstream_failed(self.report, self.config, "torchair", "aot_eager", kind, when, exc, runs=self.runs())
 
         def run(*args):

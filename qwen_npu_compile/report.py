@@ -55,6 +55,7 @@ class GraphReport:
         refused: every refusal and near miss, with reason and model source line.
         seconds: wall time per stage (``canonicalize``, ``fuse``), seconds.
         aot_ops: npu op counts in the AOT ``forward`` and ``backward`` graphs (aot_eager downstream).
+        aot_qwen_npu_ops: the same for our own ``torch.ops.qwen_npu`` ops (e.g. ``chunk_gated_delta_rule_backward``).
         fallback: why the graph was compiled unfused (it could not be retraced faithfully, or a stage of
             ours raised), or None.
         fallback_stage: the stage that failed when ``fallback`` is set (``"canonicalize"``, ``"fuse"`` or
@@ -84,6 +85,7 @@ class GraphReport:
     refused: list[Refusal] = dataclasses.field(default_factory=list)
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     aot_ops: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    aot_qwen_npu_ops: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     dump_path: str | None = None
     fallback: str | None = None
     fallback_stage: str | None = None
@@ -122,12 +124,12 @@ class GraphReport:
         )
 
 
-def npu_op_counts(graph: torch.fx.Graph) -> dict[str, int]:
-    """Count ``torch.ops.npu.*`` calls in ``graph`` by op name (overload dropped)."""
+def npu_op_counts(graph: torch.fx.Graph, namespace: str = "npu") -> dict[str, int]:
+    """Count ``torch.ops.<namespace>.*`` calls in ``graph`` by op name (overload dropped)."""
     counts: Counter[str] = Counter()
     for node in graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-            if node.target.namespace == "npu":
+            if node.target.namespace == namespace:
                 counts[node.target._schema.name.split("::")[-1]] += 1
     return dict(sorted(counts.items()))
 

@@ -264,6 +264,8 @@ def run_check(args: argparse.Namespace) -> dict:
     for report in reports:
         for op, count in report.aot_ops.get("backward", {}).items():
             backward_ops[op] = backward_ops.get(op, 0) + count
+        for op, count in report.aot_qwen_npu_ops.get("backward", {}).items():  # ours: "qwen_npu.<op>"
+            backward_ops[f"qwen_npu.{op}"] = backward_ops.get(f"qwen_npu.{op}", 0) + count
     parity_rows = parity.judge_runs(compiled_run, eager, reference)
     missing = parity.gradient_mismatch(compiled_run, eager)
     downstream = reports[0].downstream if reports else None

@@ -105,3 +105,17 @@ def test_lazy_torchair_module_is_installed():
     from torchair.core import _torchair
 
     assert type(_torchair).__name__ == "_ExtensionStandIn"
+
+
+def test_storages_deepcopy_and_memory_statistics(npu):
+    import copy
+
+    model = torch.nn.Linear(4, 4).to(npu)
+    twin = copy.deepcopy(model)  # UntypedStorage(n, device="npu") + storage copy_
+    assert twin.weight.device == npu and torch.equal(twin.weight.cpu(), model.weight.cpu())
+    torch.npu.reset_peak_memory_stats()
+    before = torch.npu.memory_allocated()
+    big = torch.empty(1024, 1024, device=npu)
+    assert torch.npu.memory_allocated() - before == big.numel() * 4 <= torch.npu.max_memory_allocated() - before
+    big.untyped_storage().resize_(16)
+    assert torch.npu.memory_allocated() - before == 16

@@ -14,6 +14,7 @@
 #include <ATen/ops/unfold_native.h>
 #include <ATen/ops/view_as_real_native.h>
 #include <ATen/ops/view_as_complex_native.h>
+#include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/alloc_cpu.h>
@@ -50,6 +51,7 @@ struct NpuAllocator final : c10::Allocator {
   void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
 };
 NpuAllocator npu_allocator;
+REGISTER_ALLOCATOR(c10::DeviceType::PrivateUse1, &npu_allocator);  // torch.UntypedStorage(n, device="npu"), deepcopy
 
 struct NpuGuardImpl final : c10::impl::DeviceGuardImplInterface {
   c10::DeviceType type() const override { return kNpu; }
@@ -145,6 +147,10 @@ at::Tensor& npu_set_storage(at::Tensor& self, at::Storage source, c10::SymInt of
                                       C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride));
 }
 
+at::Tensor& npu_set_storage_whole(at::Tensor& self, at::Storage source) { return at::native::set_(self, source); }
+
+at::Tensor& npu_set_tensor(at::Tensor& self, const at::Tensor& source) { return at::native::set_tensor_(self, source); }
+
 at::Tensor npu_view(const at::Tensor& self, c10::SymIntArrayRef size) {
   return at::native::view(self, C10_AS_INTARRAYREF_SLOW(size));
 }
@@ -154,6 +160,10 @@ at::Tensor npu_as_strided(const at::Tensor& self, c10::SymIntArrayRef size, c10:
   std::optional<int64_t> o;
   if (offset) o = offset->guard_int(__FILE__, __LINE__);
   return at::native::as_strided_tensorimpl(self, C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride), o);
+}
+
+at::Tensor npu_reshape_alias(const at::Tensor& self, c10::SymIntArrayRef size, c10::SymIntArrayRef stride) {
+  return at::native::_reshape_alias(self, C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride));
 }
 
 at::Tensor to_npu(const at::Tensor& cpu) {
@@ -226,9 +236,12 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from_and_resize", npu_copy_from_and_resize);
   m.impl("resize_", npu_resize_);
   m.impl("set_.source_Storage_storage_offset", npu_set_storage);
+  m.impl("set_.source_Storage", npu_set_storage_whole);
+  m.impl("set_.source_Tensor", npu_set_tensor);
   m.impl("view", npu_view);
   m.impl("as_strided", npu_as_strided);
   m.impl("unfold", at::native::unfold);
+  m.impl("_reshape_alias", npu_reshape_alias);
   m.impl("view_as_real", at::native::view_as_real);
   m.impl("view_as_complex", at::native::view_as_complex);
   m.impl("convolution_overrideable", npu_convolution);

@@ -1,4 +1,5 @@
-"""qwen_npu_compile: a ``torch.compile`` backend that fuses Qwen2/Qwen2.5 subgraphs into Ascend NPU ops.
+"""qwen_npu_compile: a ``torch.compile`` backend that fuses Qwen-family subgraphs (dense Qwen2/2.5/3, Qwen MoE,
+the Qwen3.5 / Qwen3-Next hybrids of Gated DeltaNet and gated attention) into Ascend NPU ops.
 
 Use it as ``torch.compile(model, backend="qwen_npu")`` (registered by entry point). Importing this
 package never imports torch_npu; the npu ops are resolved (real or simulated) at the first compile.

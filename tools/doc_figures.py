@@ -138,7 +138,7 @@ def run_check(name: str, args: list[str], timeout: float) -> dict:
         "progress_lines": len(progress),
         "progress": progress,
         "stages": sum(1 for line in progress if line.startswith("[")),
-        "output": [line for line in out.rstrip("\n").splitlines() if line not in progress],
+        "output": [line for line in out.strip("\n").splitlines() if line not in progress and line.strip()],
         "stderr": err.splitlines()[-20:],
     })
     verdict = next((line for line in result["output"] if line.startswith("verdict:")), None)

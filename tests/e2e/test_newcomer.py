@@ -6,7 +6,7 @@
 * ``report`` reads the graphs ``summary.json`` names and says when a folder holds graphs of other runs;
 * refusal warnings name the reason; ``check`` groups identical refusal lines;
 * ``--help``, argument errors and ``report`` import no torch;
-* the README's first examples print exactly what the README shows.
+* the README's first examples print exactly what the README shows, and its check sample is what check prints.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -366,3 +367,28 @@ def test_the_readme_maybe_compile_example_prints_what_it_shows(tmp_path):
     setup = "\n".join(line for line in first.splitlines()
                       if "compiled" not in line and "get_reports" not in line)  # the model, not its torch.compile
     assert _run_script(setup + "\n" + source, tmp_path) == shown.strip().splitlines()
+
+
+_NUMBER = re.compile(r"\d+(?:\.\d+)?(?:e[-+]\d+)?s?")
+
+
+def test_the_readme_check_sample_is_what_check_prints(capsys):
+    """The README's ``check`` sample against a run of its first command: every line equal but for the measured
+    numbers of the parity rows and the timing line (CPU-dependent), and the progress-line count it states."""
+    text = (REPO / "README.md").read_text()
+    command = next(line.split("#")[0].split() for line in text.splitlines()
+                   if line.startswith("qwen-npu-compile check qwen2.5-0.5b --layers 2"))
+    start = text.index("The first prints ")
+    said = re.search(r"\((\d+) lines for its (\d+) stages\)", text[start:start + 200])
+    shown = text[start:].split("```", 2)[1].split("\n", 1)[1].rstrip("\n").splitlines()
+    assert cli.main(command[1:]) == 0
+    printed = capsys.readouterr().out.rstrip("\n").splitlines()
+    progress = [line for line in printed if re.match(r"^\[\d+/\d+\] |^ +done in ", line)]
+    assert said and (int(said.group(1)), int(said.group(2))) == (len(progress), sum(p.startswith("[") for p in progress))
+    output = [line for line in printed if line not in progress and line.strip()]
+
+    def shape(line: str) -> str:
+        varying = line.startswith(("  logits ", "  gradients ", "  compile + first run"))
+        return _NUMBER.sub("N", line) if varying else line
+
+    assert [shape(line) for line in output] == [shape(line) for line in shown], "\n".join(output)

@@ -528,7 +528,8 @@ def moe_table(moe: dict) -> str:
 
 
 _Q35_KINDS = {"linear_attention": "Gated DeltaNet", "full_attention": "full attention"}
-_Q35_LABELS = {"eager": "eager", "verl": "verl-style", "qwen_npu": "qwen_npu"}
+_Q35_LABELS = {"eager": "eager", "verl": "verl-style", "qwen_npu": "qwen_npu (reference kernel)",
+               "qwen_npu_fla": "qwen_npu + FLA"}
 _Q35_SHORT = {"npu.npu_rms_norm.default": "rms_norm", "npu.npu_swiglu.default": "swiglu",
               "npu.npu_rotary_mul.default": "rotary_mul", "npu.npu_fusion_attention.default": "fusion_attention",
               "qwen_npu.gate_up_proj.default": "gate_up_proj", "qwen_npu.rotary_mul_orthogonal.default": "rotary_mul_orthogonal",

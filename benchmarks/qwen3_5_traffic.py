@@ -112,6 +112,9 @@ SOLVE_TRIANGULAR = "aten.linalg_solve_triangular.default"
 DELTA_RULE = "qwen_npu.chunk_gated_delta_rule.default"
 DELTA_RULE_BACKWARD = "qwen_npu.chunk_gated_delta_rule_backward.default"
 
+#: How each qwen_npu variant costs the delta rule op's nodes (:func:`cost_delta_rule`); other variants have none.
+DELTA_RULE_KERNEL = {"qwen_npu": "reference", "qwen_npu_fla": "fla"}
+
 
 #: One way of running Qwen3.5 (module docstring); ``verl``: verl's Qwen3.5 ``npu_patch``.
 Qwen35Variant = traffic.LayerVariant
@@ -129,7 +132,12 @@ VARIANTS = (
                   "DeltaNet and dense MLP unpatched; no pass of ours"),
     Qwen35Variant("qwen_npu", tuple(ALL_FAMILIES), False,
                   "qwen_npu, every family (rms_norm incl. (1+w) and q/k norms, rms_norm_gated, swiglu, rotary incl. "
-                  "partial, attention, ...): whatever fused at the time of the run"),
+                  "partial, attention, gated_delta_rule, ...), the delta rule op on its reference kernel (what runs on "
+                  "an Ascend host without FLA: the op's ATen reference forward, its backward recomputing it under "
+                  "autograd; counted from a trace of that kernel)"),
+    Qwen35Variant("qwen_npu_fla", tuple(ALL_FAMILIES), False,
+                  "qwen_npu, every family, the delta rule op on FLA >= 0.5.2's chunk_gated_delta_rule (triton-ascend): "
+                  "its kernels' FLOPs and HBM bytes from FLA 0.5.2's algorithm (fla_kernels); not measured on an NPU"),
 )
 
 
@@ -210,6 +218,159 @@ def delta_rule_op_flops(node: torch.fx.Node) -> tuple[int, int]:
     cube = padded * heads * (4 * CHUNK * dk + 2 * CHUNK * dv + 6 * dk * dv)
     vector = padded * heads * (CHUNK - 1) * (dv + dk)
     return (3 * cube, 2 * vector) if name == DELTA_RULE_BACKWARD else (cube, vector)
+
+
+def _op_shapes(node: torch.fx.Node) -> tuple:
+    first = 2 if traffic.op_name(node) == DELTA_RULE_BACKWARD else 0  # the backward op's args start with the gradients
+    return tuple(node.args[first + i].meta["val"] for i in range(5)), node.args[first + 5], node.args[first + 7]
+
+
+def reference_kernel_graph(node: torch.fx.Node) -> torch.fx.GraphModule:
+    """The ATen graph of the op's reference kernel at this node's shapes (fake tensors, ``make_fx``): the forward
+    (:func:`qwen_npu_compile.npu_ops.gated_delta_rule.reference`) or, for the backward op, the reference recomputed
+    and differentiated by autograd (what the backward op's reference kernel runs). Only ``cu_seqlens = None`` (the
+    benchmark's one row)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from qwen_npu_compile.npu_ops.gated_delta_rule import reference
+
+    (q, k, v, g, beta), cu_seqlens, scale = _op_shapes(node)
+    if cu_seqlens is not None:
+        raise ValueError("reference_kernel_graph: packed rows (cu_seqlens) are not modelled")
+    shapes = [(tuple(traffic._dim(d) for d in t.shape), t.dtype) for t in (q, k, v, g, beta)]
+    backward = traffic.op_name(node) == DELTA_RULE_BACKWARD
+
+    def forward(q, k, v, g, beta):
+        return reference(q, k, v, g, beta, None, None, scale, True)
+
+    def forward_and_backward(q, k, v, g, beta, grad_out):
+        inputs = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta)]
+        with torch.enable_grad():
+            out, _ = forward(*inputs)
+            return torch.autograd.grad(out, inputs, grad_out)
+
+    with FakeTensorMode():
+        args = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]
+        if backward:
+            args.append(torch.empty(shapes[2][0], dtype=q.dtype))
+        return make_fx(forward_and_backward if backward else forward)(*args)
+
+
+#: FLA 0.5.2's kernels of one ``chunk_gated_delta_rule`` call (``fla/ops/gated_delta_rule/chunk.py``:
+#: ``ChunkGatedDeltaRuleFunction.forward`` -> ``l2norm_fwd`` x2, ``chunk_gated_delta_rule_fwd`` ->
+#: ``chunk_local_cumsum``, ``chunk_gated_delta_rule_fwd_intra`` (triton-ascend: ``chunk_scaled_dot_kkt_fwd``,
+#: ``solve_tril``, ``recompute_w_u_fwd``), ``chunk_gated_delta_rule_fwd_h``, ``chunk_fwd_o``; ``backward`` ->
+#: ``chunk_gated_delta_rule_bwd``: ``recompute_w_u_fwd``, ``chunk_gated_delta_rule_fwd_h`` (recomputed),
+#: ``chunk_bwd_dv_local``, ``chunk_gated_delta_rule_bwd_dhu``, ``chunk_bwd_dqkwg``, ``prepare_wy_repr_bwd``,
+#: ``chunk_local_cumsum`` (reverse), ``l2norm_bwd`` x2). Per kernel: ``(name, Cube FLOPs per token and head,
+#: tensors read, tensors written)``; a tensor is ``(per-token elements, bytes per element: "e" the operands' dtype,
+#: 4 fp32)`` with ``C`` the chunk, ``K``/``V`` the head dims; ``h``/``dh`` are ``K·V`` per chunk (``K·V/C`` per
+#: token). FLOPs: ``2·M·N·K`` per matmul of the kernel (``kkt`` ``β·K·Kᵀ`` per chunk: ``2·C·K`` per token; the
+#: triangular inverse ``C²/3``; ``w = A·(k·β·e^g)``, ``u = A·(v·β)``: ``2·C·K``, ``2·C·V``; the state pass ``v_new = u
+#: - w·h`` and ``h += kᵀ·v_new``: ``4·K·V``; ``o = q·h + (q·kᵀ ⊙ M)·v_new``: ``2·K·V + 2·C·K + 2·C·V``; the backward's
+#: as the transposed products of each). Bytes: each kernel reads its inputs and writes its outputs once (tiles
+#: in UB/L1 between); the recurrences' sequential state is on chip.
+FLA_KERNELS = {
+    "forward": (
+        ("l2norm_fwd(q, k)", "0", [("2*K", "e")], [("2*K", "e"), ("2", 4)]),
+        ("chunk_local_cumsum(g)", "0", [("1", 4)], [("1", 4)]),
+        ("chunk_scaled_dot_kkt_fwd", "2*C*K", [("K", "e"), ("1", "e"), ("1", 4)], [("C", 4)]),
+        ("solve_tril", "C*C/3", [("C", 4)], [("C", "e")]),
+        ("recompute_w_u_fwd", "2*C*K + 2*C*V", [("K + V + C + 1", "e"), ("1", 4)], [("K + V", "e")]),
+        ("chunk_gated_delta_rule_fwd_h", "4*K*V", [("2*K + V", "e"), ("1", 4)], [("K*V/C + V", "e")]),
+        ("chunk_fwd_o", "2*K*V + 2*C*K + 2*C*V", [("2*K + V + K*V/C", "e"), ("1", 4)], [("V", "e")]),
+    ),
+    "backward": (
+        ("recompute_w_u_fwd", "2*C*K + 2*C*V", [("K + V + C + 1", "e"), ("1", 4)], [("K + V", "e")]),
+        ("chunk_gated_delta_rule_fwd_h", "4*K*V", [("2*K + V", "e"), ("1", 4)], [("K*V/C + V", "e")]),
+        ("chunk_bwd_dv_local", "2*C*K + 2*C*V", [("2*K + V", "e"), ("1", 4)], [("V", "e")]),
+        ("chunk_gated_delta_rule_bwd_dhu", "6*K*V", [("3*K + 2*V", "e"), ("1", 4)], [("K*V/C + V", "e")]),
+        ("chunk_bwd_dqkwg", "6*K*V + 4*C*K + 2*C*V", [("3*K + 3*V + 2*K*V/C", "e"), ("1", 4)],
+         [("3*K", "e"), ("1", 4)]),
+        ("prepare_wy_repr_bwd", "4*C*K + 4*C*V + 2*C*C", [("2*K + 2*V + C + 1", "e"), ("1", 4)],
+         [("K + V + 1", "e"), ("1", 4)]),
+        ("chunk_local_cumsum(dg, reverse)", "0", [("1", 4)], [("1", 4)]),
+        ("l2norm_bwd(q, k)", "0", [("4*K", "e"), ("2", 4)], [("2*K", "e")]),
+    ),
+}
+
+
+def fla_cost(node: torch.fx.Node) -> list[dict]:
+    """FLA 0.5.2's kernels for one delta rule op node (:data:`FLA_KERNELS`): per kernel ``name``, ``flops`` (Cube),
+    ``bytes_read``, ``bytes_written``, ``roofline_ps`` (``max(FLOPs / Cube peak, bytes / bandwidth)``), for ``B·T``
+    tokens (padded to whole chunks) and ``H`` heads."""
+    (q, _, v, _, _), _, _ = _op_shapes(node)
+    batch, tokens, heads, k_dim = (traffic._dim(x) for x in q.shape)
+    values = dict(C=CHUNK, K=k_dim, V=traffic._dim(v.shape[-1]))
+    element = q.dtype.itemsize
+    units = batch * -(-tokens // CHUNK) * CHUNK * heads  # token-heads
+    out = []
+    for name, flops, reads, writes in FLA_KERNELS["backward" if traffic.op_name(node) == DELTA_RULE_BACKWARD
+                                                 else "forward"]:
+        def moved(tensors):
+            return round(sum(eval(n, {}, values) * (element if size == "e" else size) for n, size in tensors) * units)
+        kernel = {"name": name, "flops": round(eval(flops, {}, values) * units), "bytes_read": moved(reads),
+                  "bytes_written": moved(writes)}
+        kernel["roofline_ps"] = round(max(kernel["flops"] / PEAK["cube_bf16_flops_per_second"],
+                                          (kernel["bytes_read"] + kernel["bytes_written"]) / BANDWIDTH["bytes_per_second"])
+                                      * 1e12)
+        out.append(kernel)
+    return out
+
+
+_REFERENCE_COSTS: dict[tuple, tuple[dict, dict]] = {}
+
+
+def _reference_costs(node: torch.fx.Node) -> tuple[dict[str, dict], dict[str, int]]:
+    """(:func:`counts`, :func:`solve_counts`) of :func:`reference_kernel_graph` for this node, cached by shapes."""
+    (q, k, v, g, beta), _, scale = _op_shapes(node)
+    key = (traffic.op_name(node), scale, *((tuple(traffic._dim(d) for d in t.shape), t.dtype) for t in (q, v, g, beta)))
+    if key not in _REFERENCE_COSTS:
+        gm = reference_kernel_graph(node)
+        _REFERENCE_COSTS[key] = counts(gm), solve_counts(gm)
+    return _REFERENCE_COSTS[key]
+
+
+def delta_rule_solves(gm: torch.fx.GraphModule, kernel: str | None) -> dict[str, int]:
+    """:func:`solve_counts` of ``gm`` plus, for the reference kernel, its delta rule ops' traced solves."""
+    out = solve_counts(gm)
+    if kernel == "reference":
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and traffic.op_name(node) in (DELTA_RULE, DELTA_RULE_BACKWARD):
+                for key, value in _reference_costs(node)[1].items():
+                    out[key] += value
+    return out
+
+
+def _add(table: dict[str, dict], other: dict[str, dict], times: int = 1) -> None:
+    for op, row in other.items():
+        mine = table.setdefault(op, {key: 0 for key in row} | {"category": row["category"]})
+        for key, value in row.items():
+            if key != "category":
+                mine[key] = mine.get(key, 0) + value * times
+
+
+def cost_delta_rule(table: dict[str, dict], gm: torch.fx.GraphModule, kernel: str | None) -> dict[str, dict]:
+    """``table`` (:func:`counts` of ``gm``) with the delta rule op's nodes costed as ``kernel`` runs them:
+    ``"reference"``: each node replaced by the per-op table of its reference kernel's ATen graph
+    (:func:`reference_kernel_graph`); ``"fla"``: each node one row per FLA kernel (:func:`fla_cost`, op names
+    ``fla.<kernel>``, category ``fused``); None: unchanged."""
+    if kernel is None:
+        return table
+    out = {op: dict(row) for op, row in table.items() if op not in (DELTA_RULE, DELTA_RULE_BACKWARD)}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or traffic.op_name(node) not in (DELTA_RULE, DELTA_RULE_BACKWARD):
+            continue
+        if kernel == "reference":
+            _add(out, _reference_costs(node)[0])
+            continue
+        for row in fla_cost(node):
+            _add(out, {f"fla.{row['name']}": {"category": "fused", "kernels": 1, "flops": row["flops"],
+                                               "bytes_read": row["bytes_read"], "bytes_written": row["bytes_written"],
+                                               "roofline_ps": row["roofline_ps"], "glue_kernels": 0,
+                                               "glue_bytes": 0}})
+    return out
 
 
 def counts(gm: torch.fx.GraphModule) -> dict[str, dict]:
@@ -366,9 +527,13 @@ def per_layer_rows(config, kind: str, tokens: int, dtype: torch.dtype, inference
                                       variants, inference, counts=counts, where=f"{kind} ",
                                       key=traffic.capture_verl_deltanet)
     for variant, g1, g2, layer, seconds in splits:
-        sums = {k: summarize(layer[k]) for k in kinds}
-        solves = {k: {key: solve_counts(g2[k])[key] - solve_counts(g1[k])[key]
+        kernel = DELTA_RULE_KERNEL.get(variant.name)
+        if kernel is not None:  # the delta rule op costed as its kernel runs it (cost_delta_rule)
+            layer = {k: traffic.subtract(cost_delta_rule(counts(g2[k]), g2[k], kernel),
+                                         cost_delta_rule(counts(g1[k]), g1[k], kernel)) for k in kinds}
+        solves = {k: {key: delta_rule_solves(g2[k], kernel)[key] - delta_rule_solves(g1[k], kernel)[key]
                       for key in ("kernels", "vector_flops", "bytes")} for k in kinds}
+        sums = {k: summarize(layer[k]) for k in kinds}
         row = traffic.layer_row(variant, g1, g2, layer, seconds, after={
             "fusions_per_layer": {"fused_kernels": {k: fused_kernels(layer[k]) for k in kinds}},
             "bytes": {"attention_bytes": traffic.per_kind(kinds, lambda k: sums[k]["bytes"]["attention"])},

@@ -54,16 +54,18 @@ def test_fused_kernels_per_layer_kind(rows):
     qwen_npu fuses the same 3 and the gate of the gated norm and the MLP as npu_swiglu (gate_up_proj feeding the
     MLP's). Full-attention layer: verl and qwen_npu fuse 4 norms (with q/k_norm), 2 partial rotary and the attention;
     qwen_npu also the MLP. The training rotary is ``qwen_npu.rotary_mul_orthogonal`` (fused backward). Eager: none.
+    The delta rule op is costed as its kernel runs it: its reference's ATen kernels (qwen_npu), FLA's kernels
+    (qwen_npu_fla, ``fla.*`` rows): neither is an npu / qwen_npu kernel.
     """
     got = {kind: {name: row["fused_kernels"] for name, row in by_kind.items()} for kind, by_kind in rows.items()}
+    for kind in (LIN, FULL):
+        assert got[kind].pop("qwen_npu_fla") == got[kind]["qwen_npu"]
     assert got[LIN] == {
         "eager": {"forward": {}, "backward": {}},
         "verl": {"forward": {"npu.npu_rms_norm.default": 3}, "backward": {"npu.npu_rms_norm_backward.default": 3}},
         "qwen_npu": {
-            "forward": {"npu.npu_rms_norm.default": 3, "npu.npu_swiglu.default": 2, "qwen_npu.gate_up_proj.default": 1,
-                        "qwen_npu.chunk_gated_delta_rule.default": 1},
-            "backward": {"npu.npu_rms_norm_backward.default": 3, "npu.npu_swiglu_backward.default": 2,
-                         "qwen_npu.chunk_gated_delta_rule_backward.default": 1}},
+            "forward": {"npu.npu_rms_norm.default": 3, "npu.npu_swiglu.default": 2, "qwen_npu.gate_up_proj.default": 1},
+            "backward": {"npu.npu_rms_norm_backward.default": 3, "npu.npu_swiglu_backward.default": 2}},
     }
     assert got[FULL] == {
         "eager": {"forward": {}, "backward": {}},
@@ -87,6 +89,7 @@ def test_fusions_per_layer(rows):
                                                           "swiglu": 1}
     assert rows[FULL]["qwen_npu"]["fusions_per_layer"] == {"rms_norm": 4, "swiglu": 1, "rotary": 2, "attention": 1}
     for kind in (LIN, FULL):
+        assert rows[kind]["qwen_npu_fla"]["fusions_per_layer"] == rows[kind]["qwen_npu"]["fusions_per_layer"]
         assert rows[kind]["eager"]["fusions_per_layer"] == {}
         assert rows[kind]["verl"]["fusions_per_layer"] == {}
 
@@ -96,7 +99,7 @@ def test_verl_rows_keep_the_gate_eager_in_fp32(rows):
     is npu_swiglu) and the fp32 copies around npu_rms_norm; verl's partial rotary ends in a cat (glue)."""
     silu = {name: r["by_op"]["forward"].get("aten.silu.default", {}).get("kernels", 0) for name, r in rows[LIN].items()}
     # eager: the conv's activation, the gated norm's gate, the MLP; verl: the MLP is not patched; qwen_npu: conv only
-    assert silu == {"eager": 3, "verl": 3, "qwen_npu": 1}
+    assert silu == {"eager": 3, "verl": 3, "qwen_npu": 1, "qwen_npu_fla": 1}
     cat = rows[FULL]["verl"]["by_op"]["forward"]["aten.cat.default"]
     assert cat["kernels"] == 2  # q and k: cat([npu_rotary_mul(q_rot), q_pass])
 
@@ -104,21 +107,27 @@ def test_verl_rows_keep_the_gate_eager_in_fp32(rows):
 def test_deltanet_flops_match_the_formula(rows, config):
     """The chunked delta rule is traced ATen ops in eager and verl: the same bmm kernels and FLOPs (4·N + 1 forward:
     2 batched intra-chunk products and 4 per chunk in the scan, less the last chunk's dead state update), and 2
-    unit-triangular solves forward, with S·H·(C-1)·(dv + dk) vector FLOPs. qwen_npu: one op each way, no bmm and no
-    solve kernel; the op's modelled Cube FLOPs are the algorithm's with the last state update (it returns the
-    final state), 3x that backward (recompute + 2x)."""
+    unit-triangular solves forward, with S·H·(C-1)·(dv + dk) vector FLOPs. qwen_npu (the op on its reference
+    kernel): the reference's kernels, with the last state update (the op returns the final state), recomputed in the
+    backward. qwen_npu_fla: FLA 0.5.2's kernels, forward S·H·(6·C·dk + 4·C·dv + 6·dk·dv + C²/3), backward
+    S·H·(12·C·dk + 10·C·dv + 16·dk·dv + 2·C²) (qwen3_5_traffic.FLA_KERNELS), no bmm and no solve."""
     expected = qwen3_5_traffic.expected_deltanet_flops(config, TOKENS)
     heads, dk, dv, c = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim,
                         qwen3_5_traffic.CHUNK)
     assert expected == {"bmm": TOKENS * heads * (4 * c * dk + 2 * c * dv + 6 * dk * dv) - 2 * c * heads * dk * dv,
                         "solve_triangular": TOKENS * heads * (c - 1) * (dv + dk)}
-    op = {k: rows[LIN]["qwen_npu"]["by_op"][k][f"qwen_npu.chunk_gated_delta_rule{suffix}.default"]
-          for k, suffix in (("forward", ""), ("backward", "_backward"))}
-    full = expected["bmm"] + 2 * c * heads * dk * dv
-    assert (op["forward"]["kernels"], op["forward"]["flops"]) == (1, full)
-    assert (op["backward"]["kernels"], op["backward"]["flops"]) == (1, 3 * full)
-    assert rows[LIN]["qwen_npu"]["bmm"]["forward"]["kernels"] == 0
-    assert rows[LIN]["qwen_npu"]["solve_triangular"]["forward"]["kernels"] == 0
+    reference = rows[LIN]["qwen_npu"]
+    assert reference["bmm"]["forward"] == {"kernels": 4 * CHUNKS + 2, "flops": expected["bmm"] + 2 * c * heads * dk * dv}
+    assert reference["solve_triangular"]["forward"]["kernels"] == 2
+    assert reference["solve_triangular"]["forward"]["vector_flops"] == expected["solve_triangular"]
+    assert reference["bmm"]["backward"]["kernels"] > 4 * CHUNKS + 2  # the recompute and the gradients
+    fla = rows[LIN]["qwen_npu_fla"]
+    for k, per_token in (("forward", 6 * c * dk + 4 * c * dv + 6 * dk * dv + c * c / 3),
+                         ("backward", 12 * c * dk + 10 * c * dv + 16 * dk * dv + 2 * c * c)):
+        ops = {op: r for op, r in fla["by_op"][k].items() if op.startswith("fla.")}
+        assert len(ops) == len(qwen3_5_traffic.FLA_KERNELS[k]) and all(r["kernels"] == 1 for r in ops.values())
+        assert sum(r["flops"] for r in ops.values()) == pytest.approx(TOKENS * heads * per_token, abs=20)
+        assert fla["bmm"][k]["kernels"] == 0 and fla["solve_triangular"][k]["kernels"] == 0
     for name in ("eager", "verl"):
         row = rows[LIN][name]
         assert row["bmm"]["forward"] == {"kernels": 4 * CHUNKS + 1, "flops": expected["bmm"]}, name
@@ -154,10 +163,11 @@ def test_row_totals_are_the_per_op_sums(rows):
                 assert row["kernels"][k] == sum(r["kernels"] for r in table.values()), (kind, name)
                 assert row["est_ms"][k] == pytest.approx(row["bytes"][k] / traffic.BANDWIDTH["bytes_per_second"] * 1e3)
             assert row["roofline_ms"]["total"] == pytest.approx(sum(row["roofline_ms_by_category"].values()))
-    # qwen_npu moves fewer bytes than verl-style, verl-style fewer than eager, per layer kind
-    for kind, by_kind in rows.items():
-        b = {name: row["bytes"]["total"] for name, row in by_kind.items()}
-        assert b["qwen_npu"] < b["verl"] < b["eager"], (kind, b)
+    # qwen_npu moves fewer bytes than verl-style, verl-style fewer than eager, per layer kind; on a DeltaNet layer the
+    # op's reference kernel recomputes its forward in the backward: fewer bytes than eager only; FLA's the fewest
+    b = {kind: {name: row["bytes"]["total"] for name, row in by_kind.items()} for kind, by_kind in rows.items()}
+    assert b[FULL]["qwen_npu"] == b[FULL]["qwen_npu_fla"] < b[FULL]["verl"] < b[FULL]["eager"], b
+    assert b[LIN]["qwen_npu_fla"] < b[LIN]["verl"] < b[LIN]["eager"] and b[LIN]["qwen_npu"] < b[LIN]["eager"], b
 
 
 def test_markdown_table(rows, config):
@@ -166,7 +176,8 @@ def test_markdown_table(rows, config):
     table = markdown.qwen3_5_table(payload)
     assert "| Gated DeltaNet | training | eager |" in table
     assert "| full attention | training | eager |" in table
-    assert table.count("| qwen_npu |") == 3  # 2 layer kinds + the DeltaNet ops table
+    assert table.count("| qwen_npu (reference kernel) |") == 3  # 2 layer kinds + the DeltaNet ops table
+    assert table.count("| qwen_npu + FLA |") == 3
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ that a switched-on ``qwen_npu`` family fuses from transformers' own code (:data:
 dispatcher: inside a Dynamo capture (``torch.compiler.is_compiling()``) it calls transformers' original, which
 the family rewrites into its fused op; everywhere else (the final norm outside the decoder layers, a layer that
 runs eagerly, a graph break's eager part) it calls verl's patched function, so nothing runs slower than with
-verl alone. Names outside :data:`TAKEN_OVER` (the VL models, the Qwen3-Next MoE block), and names whose family
+verl alone. Names outside :data:`TAKEN_OVER` (the VL models), and names whose family
 ``QWEN_NPU_FUSIONS`` switches off, stay verl's: there verl's fused op is better than nothing, and a compiled
 graph counts it in its report's ``already_fused`` (for a switched-on family). One INFO line per
 ``apply_npu_patches`` call names what was taken over and what stays verl's.
@@ -79,9 +79,9 @@ def _hybrid(prefix: str) -> tuple[Target, ...]:
 
 #: Per verl 0.9.1 ``NPU_PATCHES`` key: the names its patch function sets whose transformers form a family fuses
 #: in a decoder layer graph (exact per-layer counts with and without verl's patch: tests/e2e/test_verl_npu_patch.py).
-#: Everything else a patch function sets stays verl's: ``qwen2_5_vl``, ``qwen3_vl``, ``qwen3_vl_moe`` (their
-#: vision blocks share the classes; not checked), ``Qwen3NextSparseMoeBlock.forward`` (the moe family has no
-#: Qwen3-Next block variant checked against verl's).
+#: Everything else a patch function sets stays verl's: ``qwen2_5_vl``, ``qwen3_vl``, ``qwen3_vl_moe`` (not checked
+#: per layer against verl's; Qwen2.5-VL's vision blocks share its MLP class; ``qwen3_vl_moe`` replaces the sparse MoE
+#: block *class*, which a compiled layer then holds: it compiles unfused, as without the takeover).
 TAKEN_OVER: dict[str, tuple[Target, ...]] = {
     "qwen2": _dense("Qwen2"),
     "qwen3": _dense("Qwen3"),
@@ -89,7 +89,7 @@ TAKEN_OVER: dict[str, tuple[Target, ...]] = {
                   Target(None, "apply_rotary_pos_emb", "rotary")),
     "qwen3_5": _hybrid("Qwen3_5"),
     "qwen3_5_moe": (Target("Qwen3_5MoeExperts", "forward", "moe"), *_hybrid("Qwen3_5Moe")),
-    "qwen3_next": _hybrid("Qwen3Next"),
+    "qwen3_next": (Target("Qwen3NextSparseMoeBlock", "forward", "moe"), *_hybrid("Qwen3Next")),
 }
 
 

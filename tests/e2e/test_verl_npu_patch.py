@@ -202,7 +202,7 @@ def test_one_info_line_names_what_is_taken_over_and_what_stays_verls(compile_on,
             ("qwen3_5", "Qwen3_5RMSNormGated.forward"): "rms_norm_gated",
             ("qwen3_5", "Qwen3_5RMSNorm.forward"): "rms_norm", ("qwen3_5", "apply_rotary_pos_emb"): "rotary"}
         assert ("qwen3_vl", "Qwen3VLTextMLP.forward") in record.verls and record.off == []
-        assert ("qwen3_next", "Qwen3NextSparseMoeBlock.forward") in record.verls
+        assert taken[("qwen3_next", "Qwen3NextSparseMoeBlock.forward")] == "moe"
         assert "stays verl's: " in lines[0] and "Qwen3VLTextMLP.forward" in lines[0].split("stays verl's: ")[1]
         assert "Qwen2MLP.forward (swiglu)" in lines[0].split(" | ")[0]
         # taken over: a dispatcher over transformers' function and verl's; stays verl's: verl's function

@@ -23,7 +23,10 @@ sequence boundaries; a row packed only by ``position_ids`` reaches transformers'
    expanded in ATen and the packed row's offsets (``cu_seqlens`` / ``cu_seq_lens_q``, or the host sequence ends
    that :mod:`.varlen`'s pre-hook proves from ``position_ids`` and passes down as ``qwen_npu_seq_ends``) as a
    tensor. transformers 5.24's module-level ``causal_conv1d_fn`` (the hub wrapper, which drops the offsets) is
-   substituted alike (:func:`_traced_causal_conv1d_fn`): the conv restarts per sequence.
+   substituted alike (:func:`_traced_causal_conv1d_fn`): the conv restarts per sequence. FLA's
+   ``chunk_gated_delta_rule`` (``@torch.compiler.disable``), where transformers 5.10.4 / 4.57.6 import it
+   module-level and bind it on the module, is substituted too (:func:`_fla_substitute_for`), so an FLA-bound
+   DeltaNet keeps the op in the graph; its offsets are FLA's own ``cu_seqlens``.
 2. **verl 0.9.1's packed forward** ``qwen3_5_gated_delta_net_forward``
    (``verl/models/transformers/qwen3_5.py``, installed by verl as ``Qwen3_5GatedDeltaNet.forward`` and
    ``Qwen3_5MoeGatedDeltaNet.forward``): Dynamo cannot substitute a module's ``forward`` (it inlines the class
@@ -80,6 +83,9 @@ VERL_CLASSES = (
 #: Parameters of transformers' ``torch_chunk_gated_delta_rule`` the substitute reads (4.57.6, 5.10.4, 5.24.0).
 _HF_PARAMETERS = ("query", "key", "value", "g", "beta", "chunk_size", "initial_state", "output_final_state",
                   "use_qk_l2norm_in_kernel")
+#: Leading parameters of FLA's ``chunk_gated_delta_rule`` (0.5.x, 0.6.0) the FLA substitute reads.
+_FLA_PARAMETERS = ("q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state",
+                   "use_qk_l2norm_in_kernel")
 #: Leading parameters of transformers >= 5.15's module-level ``causal_conv1d_fn`` (the hub wrapper's torch function).
 _CONV_PARAMETERS = ("hidden_states", "weight", "bias", "activation")
 #: Parameters of verl 0.9.1's ``qwen3_5_gated_delta_net_forward``.
@@ -188,6 +194,56 @@ def _conv_substitute_for(original: types.FunctionType):
     return _traced_causal_conv1d_fn
 
 
+def _fla_substitute_for(original):
+    fallback = _unsubstituted(original)
+
+    def _traced_fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                                           use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                                           allow_neg_eigval=False, state_v_first=False, cu_seqlens=None,
+                                           cu_seqlens_cpu=None, cp_context=None, **kwargs):
+        """What Dynamo traces for FLA's ``chunk_gated_delta_rule`` (0.5.2 ``fla/ops/gated_delta_rule/chunk.py``,
+        ``[B, T, H, K]``, per-sequence ``cu_seqlens``) where transformers bound it module-level: the op, which
+        computes what FLA's kernel computes; FLA's options outside the op's contract keep FLA (a graph break)."""
+        heads, k_heads = v.shape[-2], k.shape[-2]
+        if (not _enabled or heads % k_heads or use_beta_sigmoid_in_kernel or allow_neg_eigval or state_v_first
+                or cp_context is not None or kwargs or (cu_seqlens is not None and q.shape[0] != 1)):
+            return fallback(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                            state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                            cp_context=cp_context, **kwargs)
+        if heads != k_heads:
+            q = q.repeat_interleave(heads // k_heads, dim=2)
+            k = k.repeat_interleave(heads // k_heads, dim=2)
+        out, state = torch.ops.qwen_npu.chunk_gated_delta_rule(
+            q, k, v, g, beta, cu_seqlens, initial_state, q.shape[-1] ** -0.5 if scale is None else scale,
+            bool(use_qk_l2norm_in_kernel))
+        return out, (state if output_final_state else None)
+
+    return _traced_fla_chunk_gated_delta_rule
+
+
+def _install_fla(module_name: str) -> str | None:
+    """Substitute the FLA ``chunk_gated_delta_rule`` that transformers 5.10.4 / 4.57.6 import module-level (and
+    bind to ``self.chunk_gated_delta_rule``) where FLA is available; its parameters must be 0.5.2's."""
+    function = getattr(sys.modules.get(module_name), "chunk_gated_delta_rule", None)
+    if function is None or not callable(function):
+        return None
+    key = f"fla:{id(function)}"
+    if key in _installed:
+        return _installed[key] or None
+    try:
+        names = tuple(inspect.signature(function).parameters)[:len(_FLA_PARAMETERS)]
+    except (TypeError, ValueError):
+        names = ()
+    if names != _FLA_PARAMETERS:
+        _refuse(key, f"{module_name}.chunk_gated_delta_rule's parameters are {names}, expected {_FLA_PARAMETERS}")
+        _installed[key] = ""
+        return None
+    torch.compiler.substitute_in_graph(function, skip_signature_check=True)(_fla_substitute_for(function))
+    _installed[key] = f"{module_name.rsplit('.', 1)[-1]}.chunk_gated_delta_rule (FLA) -> {op_module.NAME}"
+    return _installed[key]
+
+
 def _eager_packed_behaviour(function) -> str:
     """What transformers' eager code does with a packed row's offsets, for the one warning (5.24's hub wrapper:
     FLA when it imported, else ``ValueError``; earlier the torch fallback ignores them)."""
@@ -232,13 +288,19 @@ def _install_transformers(module_name: str) -> str | None:
     return line
 
 
+def _op_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The op's calls in ``gm``: Dynamo's graph holds the overload packet, an ATen graph the ``.default``."""
+    packet = torch.ops.qwen_npu.chunk_gated_delta_rule
+    return [node for target in (packet, packet.default)
+            for node in gm.graph.find_nodes(op="call_function", target=target)]
+
+
 def warn_eager_differs(gm: torch.fx.GraphModule) -> None:
     """One warning per process when ``gm`` runs transformers' DeltaNet on a packed row per sequence (the op with
     offsets, traced from :func:`_substitute_for`), naming what eager does instead on these versions."""
     if "eager-differs" in _refused:
         return
-    target = torch.ops.qwen_npu.chunk_gated_delta_rule.default
-    for node in gm.graph.find_nodes(op="call_function", target=target):
+    for node in _op_nodes(gm):
         trace = node.meta.get("stack_trace") or ""
         if node.args[5] is None or "_traced_chunk_gated_delta_rule" not in trace:
             continue
@@ -432,8 +494,7 @@ def warn_if_substituted_while_disabled(gm: torch.fx.GraphModule, fusions) -> Non
     warn_eager_differs(gm)
     if "gated_delta_rule" in fusions or "disabled" in _refused:
         return
-    target = torch.ops.qwen_npu.chunk_gated_delta_rule.default
-    if gm.graph.find_nodes(op="call_function", target=target):
+    if _op_nodes(gm):
         _refused.add("disabled")
         log.warning("qwen_npu: the gated_delta_rule family is off in torch.compile's options, but Dynamo had already "
                     "put %s in this graph (substitutions happen while it traces, before the backend reads options); "
@@ -516,8 +577,12 @@ def install(enabled: bool = True) -> list[str]:
             _refuse(name, f"{type(exc).__name__}: {exc}")
             _installed[f"{name}.torch_chunk_gated_delta_rule"] = ""
             line = None
-        if line:
-            done.append(line)
+        try:
+            fla_line = _install_fla(name)
+        except Exception as exc:
+            _refuse(f"fla:{name}", f"{type(exc).__name__}: {exc}")
+            fla_line = None
+        done += [entry for entry in (line, fla_line) if entry]
     try:
         line = _install_verl()
     except Exception as exc:

@@ -31,22 +31,29 @@ Variants (:data:`VARIANTS`):
   (:func:`benchmarks.verl_patch.npu_flash_attention_2`, BSND, ``sparse_mode=3``), as the dense verl-style rows;
   no pass of ours. The attention output gate, the DeltaNet and the dense MLP are not patched by verl.
 * ``qwen_npu``: every family (:data:`qwen_npu_compile.config.ALL_FAMILIES`): whatever the families emit at the
-  time of the run (``fusions_per_layer`` in the results says what fused).
+  time of the run (``fusions_per_layer`` in the results says what fused), the delta rule op on its **reference
+  kernel** (what an Ascend host runs without FLA: ``npu_ops/gated_delta_rule_kernels.py``).
+* ``qwen_npu_fla``: the same graphs, the delta rule op on **FLA >= 0.5.2's kernels** (triton-ascend), what an
+  Ascend host with FLA runs.
 
 **The chunked delta rule** (``torch_chunk_gated_delta_rule``, chunk size ``C`` = 64) is traced ATen ops in eager and
 verl-style (Dynamo unrolls its scan over the ``S/C`` chunks; the capture runs with the substitution off); qwen_npu
-runs it as one op, ``qwen_npu::chunk_gated_delta_rule`` (the ``gated_delta_rule`` family), whose FLOPs are the
-same algorithm's (:func:`delta_rule_op_flops`) and whose bytes are only its operands and results. Its matmuls (``@`` on 4-/5-D fp32 tensors,
-``aten.bmm`` after decomposition) are matmuls (Cube, ``2·M·N·K``); its two ``linalg_solve_triangular`` calls
-(and their backward) are vector kernels whose FLOPs (:func:`solve_triangular_flops`: ``C·(C-1)·D`` per ``C x C``
-unit-triangular system and ``D`` right-hand sides) are reported and enter the roofline at the Vector peak
+runs it as one op, ``qwen_npu::chunk_gated_delta_rule`` (the ``gated_delta_rule`` family), costed as its kernel runs it
+(:func:`cost_delta_rule`): ``qwen_npu`` counts the ATen graph of the op's reference kernel traced at the node's
+shapes (:func:`reference_kernel_graph`: the forward; for the backward op the forward recomputed and differentiated by
+autograd), ``qwen_npu_fla`` one row per FLA 0.5.2 kernel (``fla.*`` ops, :data:`FLA_KERNELS`: each kernel of
+``chunk_gated_delta_rule_fwd`` / ``chunk_gated_delta_rule_bwd`` in ``fla/ops/gated_delta_rule/chunk.py`` with its
+Cube FLOPs and the HBM bytes of the tensors it reads and writes; :func:`fla_cost`). Matmuls (``@`` on 4-/5-D fp32
+tensors, ``aten.bmm`` after decomposition) are matmuls (Cube, ``2·M·N·K``); the two ``linalg_solve_triangular``
+calls (and their backward) are vector kernels whose FLOPs (:func:`solve_triangular_flops`: ``C·(C-1)·D`` per
+``C x C`` unit-triangular system and ``D`` right-hand sides) are reported and enter the roofline at the Vector peak
 (:func:`solve_triangular_time`); every other kernel is counted as in the other rows. Per DeltaNet layer
 (``H`` = value heads after ``repeat_interleave``, ``dk``/``dv`` head dims; derived from transformers' code,
 :func:`expected_deltanet_flops`): chunk matmuls ``S·H·(4·C·dk + 2·C·dv + 6·dk·dv)`` forward less the last chunk's
 state update (dead code without ``output_final_state``), triangular solves ``S·H·(C-1)·(dv + dk)``.
 
 Not modelled: fp32 matmuls (the DeltaNet's, all fp32) counted at the BF16 Cube peak (optimistic), the
-kernels' internals, launch overhead (the unrolled scan is about 10 kernels per chunk per graph), overlap; no
+kernels' internals (FLA's: tiles kept on chip between its reads and writes), launch overhead (the unrolled scan is about 10 kernels per chunk per graph), overlap; no
 kernel ran on an NPU.
 """
 

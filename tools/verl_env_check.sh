@@ -12,7 +12,9 @@
 #    npu_patch Qwen3-MoE block compiled with qwen_npu) and tests/e2e/test_verl_qwen3_5.py (verl's packed Qwen3.5
 #    forward, per-layer compiled: one graph per layer kind, the Gated DeltaNet as one op) and
 #    tests/e2e/test_verl_npu_patch.py (verl's npu_patch applied, then QWEN_NPU_COMPILE=1: layers fuse as without it);
-# 4. prints how long the install and the tests took.
+# 4. prints how long the install and the tests took;
+# 5. runs tests/ascend_host/test_verl_npu_patch.py on the simulated Ascend host (PYTHONPATH=tests/ascend_host/stand_in,
+#    its own pytest process; builds the stand-in's C++ extension unless cached) and prints its time.
 #
 # Environment: PYTHON (default python3.11, else python3), VERL_ENV_KEEP=1 keeps the venv and prints its path.
 set -euo pipefail
@@ -46,6 +48,14 @@ set +e
 (cd "$repo" && "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider tests/e2e/test_verl_hook.py tests/e2e/test_trainer.py tests/e2e/test_verl_moe_patch.py \
     tests/e2e/test_verl_qwen3_5.py tests/e2e/test_verl_npu_patch.py)
 status=$?
-set -e
 echo "verl_env_check: tests took $(( $(date +%s) - installed ))s (pytest exit $status)"
+# 5. verl on the simulated Ascend host (its own NPU branches: is_npu_available, FSDPEngine.__init__'s npu_patch),
+#    in a pytest process of its own: the stand-in torch_npu (tests/ascend_host/stand_in) first on PYTHONPATH
+sim_start=$(date +%s)
+(cd "$repo" && PYTHONPATH="$repo/tests/ascend_host/stand_in" "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider \
+    tests/ascend_host/test_verl_npu_patch.py)
+sim_status=$?
+echo "verl_env_check: simulated Ascend host verl tests took $(( $(date +%s) - sim_start ))s (pytest exit $sim_status)"
+[[ $status -ne 0 ]] || status=$sim_status
+set -e
 exit $status

@@ -16,6 +16,10 @@ now compiles unfused with the reason (``canonicalize.refuse_custom_autograd_func
 not fused twice: its graph keeps verl's ops, AOTAutograd runs NPUGmmFunction's own backward, and verl's fused
 ops are counted as already fused (``fuse.count_fused_in_captured``).
 
+This file applies verl's patch with no hook installed (what a graph holding verl's block gets). With
+``qwen_npu_compile.verl`` and ``QWEN_NPU_COMPILE=1`` the hook keeps verl's block out of the compiled layers
+(:mod:`qwen_npu_compile.integrations.verl_npu_patch`; tests/e2e/test_verl_npu_patch.py): moe 2 per layer there.
+
 CPU only: ``torch.histc`` has no integer CPU kernel (verl calls it on the int64 top-k ids; torch_npu's and
 CUDA's histc take integers and keep the dtype); :func:`_histc_any_dtype` stands in for it here.
 """

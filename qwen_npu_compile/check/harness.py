@@ -20,6 +20,7 @@ from .. import patterns
 from ..patterns import expected_fusions  # noqa: F401  (the harness's public name)
 from ..torch_compiler import torch_compile
 from . import model_folder, models, parity
+from .device import check_device, describe_device, device_memory_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -151,9 +152,11 @@ def run_check(args: argparse.Namespace) -> dict:
     if not 0 <= args.left_padding < args.seq_len:
         raise ValueError(f"--left-padding must be >= 0 and below --seq-len {args.seq_len}, got {args.left_padding}")
 
+    device = check_device(ensure_npu_ops())  # npu where torch_npu is real and an NPU is present, else cpu
+
     def amp():
         """The autocast region of the eager and compiled runs (not of the fp32 reference)."""
-        return torch.autocast("cpu", dtype=dtype) if autocast else contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=dtype) if autocast else contextlib.nullcontext()
     # Validate every backend setting (options over QWEN_NPU_* env) before building anything.
     options = {"fusions": args.fusions, "downstream": args.downstream,
                "dump_dir": str(args.dump_dir) if args.dump_dir is not None else None}
@@ -183,9 +186,10 @@ def run_check(args: argparse.Namespace) -> dict:
     if layers > config.num_hidden_layers:
         raise ValueError(f"--layers {layers} is more than {args.model} has (maximum {config.num_hidden_layers})")
     check_memory(args.model, config, layers=layers, batch=args.batch, seq_len=args.seq_len, dtype=dtype, train=train,
-                 autocast=autocast)
+                 autocast=autocast, device=device)
 
     status = ensure_npu_ops()
+    print(describe_device(device, status), flush=True)
     half = dtype != torch.float32
     offline_torchair = chosen_downstream == "torchair" and status.simulated
     stages = Stages((6 if half else 5) + (1 if offline_torchair else 0))
@@ -202,6 +206,7 @@ def run_check(args: argparse.Namespace) -> dict:
     with model_folder.building(args.model):
         model, info = models.build_model(args.model, layers=layers, dtype=torch.float32 if autocast else dtype,
                                          attn=args.attn, vocab_size=vocab_size)
+    model.to(device)
     model.train(train)
     if checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.2x: the old name is deprecated
@@ -209,10 +214,10 @@ def run_check(args: argparse.Namespace) -> dict:
         else:  # transformers 4.57-5.10
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     weights = {"preset": "random weights", "local-random": "random weights", "local-weights": "weights loaded"}[info["source"]]
-    stages.end(f"{info['num_parameters'] / 1e6:.1f}M parameters, {weights}; npu ops {status.kind}")
+    stages.end(f"{info['num_parameters'] / 1e6:.1f}M parameters, {weights}; npu ops {status.kind}; on {device}")
 
     generator = torch.Generator().manual_seed(1234)
-    input_ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len), generator=generator)
+    input_ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len), generator=generator).to(device)
     attention_mask = left_padding_mask(input_ids, args.left_padding)
     labels = padding_labels(input_ids, attention_mask)
 
@@ -291,7 +296,9 @@ def run_check(args: argparse.Namespace) -> dict:
     if train:
         if missing:
             problems.append(f"gradients missing or extra for {missing[:3]}")
-        if downstream == "aot_eager":
+        # the families' backward ops are aot_eager's forms: not the torchair forms a graph fused for torchair holds
+        # when it falls back to aot_eager (on an Ascend host where a GE graph fails to run)
+        if downstream == "aot_eager" and chosen_downstream == "aot_eager":
             wants: dict[str, int] = {}
             for family, count in fused.items():  # per op, summed over the families that bring it
                 for op, want in patterns.FAMILIES[family].backward_op_counts(count).items():
@@ -307,6 +314,7 @@ def run_check(args: argparse.Namespace) -> dict:
             "attn": args.attn, "fusions": sorted(fusions), "downstream": downstream, "dynamic": args.dynamic,
             "left_padding": args.left_padding, "autocast": autocast, "grad_checkpointing": checkpointing,
             "vocab_size": model.config.vocab_size, "vocab_override": vocab_size is not None,
+            "device": str(device),
         },
         "versions": run_versions(status),
         "simulated": status.simulated,
@@ -332,12 +340,13 @@ def run_check(args: argparse.Namespace) -> dict:
 
 
 def check_memory(model: str, config, *, layers: int, batch: int, seq_len: int, dtype: torch.dtype, train: bool,
-                 autocast: bool = False) -> models.MemoryPlan:
+                 autocast: bool = False, device: torch.device | None = None) -> models.MemoryPlan:
     """Refuse a check that would not fit in memory, before anything is built.
 
     The estimate is :func:`qwen_npu_compile.check.models.memory_plan` (every tensor the check creates,
     run by run); the memory is :func:`~qwen_npu_compile.check.models.available_memory_bytes`
-    (``MemAvailable``; 0, unknown, means no check).
+    (``MemAvailable``; 0, unknown, means no check); on an NPU ``device`` the smaller of that and the NPU's free
+    memory (:func:`~.device.device_memory_bytes`: the model, its gradients and activations live there).
 
     Returns:
         The plan.
@@ -354,6 +363,9 @@ def check_memory(model: str, config, *, layers: int, batch: int, seq_len: int, d
 
     wanted = plan(config, layers, train)
     have = models.available_memory_bytes()
+    on_device = device_memory_bytes(device) if device is not None else 0
+    if on_device:
+        have = min(have, on_device) if have else on_device
     if not have or wanted.total <= have:
         return wanted
     fits = [n for n in range(layers - 1, 0, -1) if plan(config, n, train).total <= have]

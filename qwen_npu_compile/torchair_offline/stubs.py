@@ -96,6 +96,10 @@ def _torchair_module() -> types.ModuleType:
                 raise AttributeError(name)
             return _needs_cann(f"torchair.core._torchair.TorchNpuGraphBase.{name}")
 
+    # torchair's TorchNpuGraph calls these through super(), which never reaches __getattr__
+    for method in ("load", "set_hint_shape", "compile", "auto_tune", "run", "summary"):
+        setattr(TorchNpuGraphBase, method, _needs_cann(f"torchair.core._torchair.TorchNpuGraphBase.{method}"))
+
     for function in (InitializeGraphEngine, FinalizeGraphEngine, SetDebugLogPath, check_cann_compat,
                      get_registered_ir_def):
         setattr(module, function.__name__, function)

@@ -48,6 +48,17 @@ for _name in ("npu_rms_norm", "npu_rms_norm_backward", "npu_add_rms_norm", "npu_
               "npu_grouped_matmul", "npu_moe_token_permute", "npu_moe_token_unpermute", "npu_chunk_gated_delta_rule"):
     globals()[_name] = getattr(torch.ops.npu, _name)
 
+def get_npu_format(tensor: torch.Tensor) -> int:
+    """The ACL storage format of an npu tensor: the base format torch_npu gives a fresh tensor (ND = 2; NCHW = 0
+    for 4-D; NCDHW = 30 for 5-D): the simulated device never makes private formats (NZ, ...)."""
+    return {4: 0, 5: 30}.get(tensor.dim(), 2)
+
+
+def get_storage_size(tensor: torch.Tensor) -> int:
+    """Elements of ``tensor``'s storage (torch_npu: of its NPU storage)."""
+    return tensor.untyped_storage().nbytes() // tensor.element_size()
+
+
 from . import dynamo  # noqa: E402  (the lazy torchair module and the "npu" Dynamo backend)
 
 dynamo._install_lazy_torchair()

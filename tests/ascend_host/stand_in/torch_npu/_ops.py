@@ -142,4 +142,61 @@ def register_all() -> torch.library.Library:
     for module in (rms_norm, add_rms_norm, swiglu, rotary_mul, fusion_attention, grouped_matmul, moe_token_permute):
         module.register(lib)
     define_op(lib, CHUNK_GATED_DELTA_RULE_SCHEMA, _chunk_gated_delta_rule, _fake_chunk_gated_delta_rule)
+    define_the_rest(lib)
     return lib
+
+
+# ---------------------------------------------------------------------------------------------------------
+# every other op of the wheel: defined (schema + the wheel's meta kernel), never simulated
+
+#: ``{"defined": n, "failed": [...]}`` of :func:`define_the_rest`
+REST: dict = {}
+
+
+def define_the_rest(lib: torch.library.Library) -> None:
+    """Define every other op of torch_npu 2.13.0 (``npu_native_functions_by_codegen.yaml``, about 1400) with its
+    schema and the wheel's meta kernel (``op_plugin/meta/_meta_registrations.py``), without a device kernel: on a
+    host they exist, and torchair's own passes (e.g. ``patterns/add_rms_norm_dynamic_quant.py``) trace with them.
+    Calling one on npu tensors says "Could not run 'npu::<op>' with arguments from the 'PrivateUse1' backend": the
+    simulated host does not compute it. The wheel comes from ``qwen_npu_compile.torchair_offline.wheel``."""
+    import yaml
+
+    from qwen_npu_compile.torchair_offline.wheel_contracts import load_meta_kernels
+
+    from ._wheel import sources
+
+    sources = sources()
+    funcs: list[str] = []
+
+    def visit(node) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("func"), str):
+                funcs.append(node["func"].strip())
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list):
+            for item in node:
+                visit(item)
+
+    visit(yaml.load(sources.schemas_yaml.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)))
+    defined, failed = [], []
+    for func in dict.fromkeys(funcs):
+        name = func.split("(", 1)[0].strip()
+        base, _, overload = name.partition(".")
+        packet = getattr(torch.ops.npu, base, None) if hasattr(torch.ops.npu, base) else None
+        if packet is not None and (overload or "default") in packet.overloads():
+            continue
+        try:
+            lib.define(func)
+            defined.append(name)
+        except Exception as exc:  # noqa: BLE001 - a schema this torch cannot parse
+            failed.append(f"{name}: {type(exc).__name__}")
+    metas = load_meta_kernels(sources.meta_registrations).functions
+    for name in defined:
+        fn = metas.get(name)
+        if fn is not None:
+            try:
+                lib.impl(name, fn, "Meta")
+            except Exception as exc:  # noqa: BLE001
+                failed.append(f"{name} meta: {type(exc).__name__}")
+    REST.update(defined=len(defined), failed=failed, wheel=str(sources.wheel))

@@ -27,9 +27,9 @@ NPUGRAPH_EX_BACKEND = "npugraph_ex"
 def _import_wheel_torchair():
     """Import the wheel's torchair as the top-level package ``torchair`` (CANN modules stubbed)."""
     from qwen_npu_compile.torchair_offline.stubs import install_stubs
-    from qwen_npu_compile.torchair_offline.wheel import obtain_sources
+    from .._wheel import sources
 
-    sources = obtain_sources(torch.__version__)
+    sources = sources()
     install_stubs()
     spec = importlib.machinery.PathFinder.find_spec("torchair", [str(sources.import_root)])
     if spec is None or spec.loader is None:

@@ -299,3 +299,29 @@ def get_autocast_dtype():
 
 def set_autocast_dtype(dtype) -> None:
     torch.set_autocast_dtype("npu", dtype)
+
+
+def _get_deterministic_level() -> int:
+    """torch_npu's deterministic level (torchair guards on it and passes it to GE): 1 under
+    ``torch.use_deterministic_algorithms(True)``, else 0."""
+    return 1 if torch.are_deterministic_algorithms_enabled() else 0
+
+
+class _Hf32Flag:
+    """``torch.npu.matmul`` / ``torch.npu.conv``: whether HF32 may stand in for fp32 (torch_npu defaults: matmul
+    False, conv True); torchair passes them to GE."""
+
+    def __init__(self, allow_hf32: bool):
+        self.allow_hf32 = allow_hf32
+
+
+matmul = _Hf32Flag(False)
+conv = _Hf32Flag(True)
+
+
+def get_device_limit(device=None) -> dict:
+    """Core counts of an Atlas A2 (Ascend910B2: 24 AI cores, 48 vector cores)."""
+    return {"cube_core_num": 24, "vector_core_num": 48}
+
+
+from . import utils  # noqa: E402,F401

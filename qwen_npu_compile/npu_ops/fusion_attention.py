@@ -6,8 +6,9 @@ Semantics (torch_npu 2.13.0 ``_op_plugin_docs.py`` and Meta kernels; the op-plug
     out = Dropout(Softmax(Mask(scale * (pse + Q @ K^T), atten_mask)), keep_prob) @ V
 
 computed here in fp32 and rounded once to q's dtype. Without dropout the dense layouts are computed blockwise
-(:mod:`.attention_blockwise`: online softmax over key blocks, never an ``[Sq, Skv]`` fp32 tensor; the row max
-and sum it keeps are the softmax statistics returned); with dropout (``keep_prob < 1``, whose keep mask is
+(:mod:`.attention_blockwise`: torch's CPU flash attention for no mask and the left-up causal mask, else online
+softmax over key blocks; never an ``[Sq, Skv]`` fp32 tensor; softmax_max / softmax_sum are the row max and the
+sum of ``exp(score - max)``); with dropout (``keep_prob < 1``, whose keep mask is
 ``[B, Nq, Sq, Skv]`` anyway) by the dense formula of :mod:`.attention_contract`.
 
 Layering: the schemas, the limits (:func:`fusion_attention_violation`), the compressed causal mask and the

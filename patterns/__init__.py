@@ -54,7 +54,9 @@ def expected_fusions(model_config: Any, families: Iterable[str] | None = None, *
 
     Args:
         model_config: a transformers ``PretrainedConfig`` (``model_type``; ``num_hidden_layers`` for the
-            whole model).
+            whole model), or a multimodal model's top-level config (``Qwen3_5Config`` of
+            ``Qwen3_5ForConditionalGeneration``, ``Qwen2_5_VLConfig``): its ``text_config`` is read, the decoder
+            layers that ``maybe_compile`` compiles (the vision tower is not counted).
         families: the enabled families (any order); None means all of :data:`FAMILIES`.
         per_layer: count one decoder layer instead of the whole model.
         layer_type: with ``per_layer``, the layer's kind in a hybrid model (Qwen3.5 / Qwen3-Next:
@@ -67,6 +69,7 @@ def expected_fusions(model_config: Any, families: Iterable[str] | None = None, *
     Raises:
         KeyError: an unknown family name in ``families``.
     """
+    model_config = getattr(model_config, "text_config", None) or model_config
     enabled = set(FAMILIES) if families is None else set(families)
     unknown = sorted(enabled - set(FAMILIES))
     if unknown:

@@ -69,6 +69,18 @@ rotated slice is strided, so it is made dense first: a copy of a quarter of q, t
     cat = aten.cat.default([npu_rotary_mul, slice_4], -1)           # [B, S, N, 64], BSND
     transpose = aten.transpose.int(cat, 1, 2)                       # BNSD view of BSND, as the full variant gives
 
+**Full-width partial rotary** (``partial_rotary_factor`` 1.0, e.g. a Qwen3.5 configured so): the same code with
+``rotary_dim == head_dim`` traces ``q[..., :D]`` as ``aten.alias`` and ``q[..., D:]`` as an empty slice::
+
+    alias = aten.alias.default(transpose)                           # q_rot, the whole head
+    slice_1 = aten.slice.Tensor(transpose, 3, 64, 9223372036854775807)   # q_pass, [B, N, S, 0]
+    ... the rotary on alias ...
+    cat = aten.cat.default([add, slice_1], -1)
+
+:class:`RotaryPass` first rewrites that into the full rotary (:func:`drop_full_width_slice`: the alias's users
+read ``transpose``, the cat becomes the contiguous copy it made, ``aten.clone(add)``), which ``rotary_bsnd``
+then fuses (forward and backward): exactly the numbers, one copy as before.
+
 The cat in BSND (HF's is a contiguous BNSD tensor) lets the attention rewrite take BSH views of q and k
 with no copy (V is a BSND view already). Every limit below applies to the rotated part ``[B, S, N,
 rotary_dim]`` (its D is the rotated width): the kernel's D < 896 and even, and for torchair training the
@@ -113,6 +125,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from qwen_npu_compile.compat import guard_or_false
 from qwen_npu_compile.fusion import (
+    FamilyPass,
     FusionFamily,
     PatternVariant,
     current_target,
@@ -120,6 +133,7 @@ from qwen_npu_compile.fusion import (
     meta_val,
     region_operands,
 )
+from qwen_npu_compile.graphs import ancestors
 from qwen_npu_compile.npu_ops import rotary_mul_aten_backward, rotary_mul_orthogonal
 from qwen_npu_compile.npu_ops.rotary_mul import rotary_mul_violation
 
@@ -396,10 +410,65 @@ def _examples_partial():
     return [torch.empty(2, 4, 3, 32), torch.empty(1, 1, 4, 16), torch.empty(1, 1, 4, 16)]
 
 
+def drop_full_width_slice(graph: torch.fx.Graph) -> int:
+    """Rewrite each full-width partial rotary (``partial_rotary_factor`` 1.0: ``alias(x)`` rotated, an empty
+    ``x[..., D:]`` concatenated back) into the full rotary on ``x``; see the module docstring.
+
+    A ``cat([rotated, x[..., s:]], -1)`` is rewritten only when the slice is statically empty, an
+    ``aten.alias`` of ``x`` feeds ``rotated``, and the cat's result has ``rotated``'s shape and dtype (so the
+    result is ``rotated``, copied contiguous as the cat did). Exact: no value changes.
+
+    Returns:
+        The number of cats rewritten.
+    """
+    count = 0
+    for cat in list(graph.find_nodes(op="call_function", target=aten.cat.default)):
+        operands = cat.args[0]
+        if len(operands) != 2 or operands[1].target is not aten.slice.Tensor:
+            continue
+        rotated, rest = operands
+        x = rest.args[0]
+        out, rotated_val, rest_val = meta_val(cat), meta_val(rotated), meta_val(rest)
+        if not all(isinstance(t, torch.Tensor) for t in (out, rotated_val, rest_val)):
+            continue
+        dim = cat.args[1] if len(cat.args) > 1 else 0
+        if dim % out.dim() != out.dim() - 1 or not statically_known_true(rest_val.shape[-1] == 0):
+            continue
+        if rotated_val.dtype != out.dtype or rotated_val.dim() != out.dim() or not all(
+                statically_known_true(a == b) for a, b in zip(rotated_val.shape, out.shape)):
+            continue
+        upstream = ancestors(rotated)
+        aliases = [user for user in x.users if user.target is aten.alias.default and user in upstream]
+        if not aliases:
+            continue
+        for alias in aliases:
+            alias.replace_all_uses_with(x)
+            graph.erase_node(alias)
+        with graph.inserting_before(cat):
+            copy = graph.call_function(aten.clone.default, (rotated,), {"memory_format": torch.contiguous_format})
+        copy.meta.update(cat.meta)
+        cat.replace_all_uses_with(copy)
+        graph.erase_node(cat)
+        if not rest.users:
+            graph.erase_node(rest)
+        count += 1
+    return count
+
+
+class RotaryPass(FamilyPass):
+    """The full-width partial rotary made the full rotary (:func:`drop_full_width_slice`), then the variants."""
+
+    def apply(self, gm: torch.fx.GraphModule, recorder) -> int:
+        if drop_full_width_slice(gm.graph):
+            gm.recompile()
+        return super().apply(gm, recorder)
+
+
 class RotaryFamily(FusionFamily):
     """``x*cos + rotate_half(x)*sin`` -> ``npu_rotary_mul``; 2 per layer (q and k)."""
 
     name = "rotary"
+    pass_class = RotaryPass
     anchor_ops = (aten.neg.default,)
     fused_op_names = ("npu_rotary_mul",)
     backward_op_name = "npu_rotary_mul_backward"

@@ -46,7 +46,7 @@ print(f"verl_env_check: verl {verl.__version__}, torch {torch.__version__}, tran
 
 set +e
 (cd "$repo" && "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider tests/e2e/test_verl_hook.py tests/e2e/test_trainer.py tests/e2e/test_verl_moe_patch.py \
-    tests/e2e/test_verl_qwen3_5.py tests/e2e/test_verl_npu_patch.py)
+    tests/e2e/test_verl_qwen3_5.py tests/e2e/test_verl_npu_patch.py tests/e2e/test_deltanet_packed.py)
 status=$?
 echo "verl_env_check: tests took $(( $(date +%s) - installed ))s (pytest exit $status)"
 # 5. verl on the simulated Ascend host (its own NPU branches: is_npu_available, FSDPEngine.__init__'s npu_patch),

@@ -17,6 +17,7 @@ from qwen_npu_compile.check.harness import run_model
 from qwen_npu_compile.check.models import tiny_qwen2
 from qwen_npu_compile.check.parity import FP32_TOLERANCE, relative_l2
 from qwen_npu_compile import get_reports
+from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.patterns.rotary import check_rotary
 
 LAYERS = 2
@@ -316,3 +317,52 @@ def test_stand_in_backward_outputs_have_the_fake_kernels_layout(npu_ops):
     grad = torch.randn(2, 4, 8, 64).transpose(1, 2)
     dx, dr1, dr2 = torch.ops.npu.npu_rotary_mul_backward.default(grad, x, r, r)
     assert dx.stride() == x.stride() and dr1.stride() == r.stride() and dr2.stride() == r.stride()
+
+
+# -- partial_rotary_factor 1.0 (issue 34) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_full_width_partial_rotary_fuses_as_the_full_rotary(npu_ops, dtype):
+    """Qwen3.5's partial rotary at ``partial_rotary_factor`` 1.0 (``q[..., :D]`` traces as ``aten.alias``, the
+    pass-through as an empty slice, then a cat): fused as the full rotary, forward and backward, exact counts, no
+    near miss, eager's values and gradients."""
+    qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5", reason="transformers >= 5")
+
+    def rope(q_bsnd, k_bsnd, cos, sin):
+        return qwen3_5.apply_rotary_pos_emb(q_bsnd.transpose(1, 2), k_bsnd.transpose(1, 2), cos, sin)
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 4, 64, generator=generator).to(dtype).requires_grad_(True)
+    k = torch.randn(2, 8, 2, 64, generator=generator).to(dtype).requires_grad_(True)
+    angles = torch.randn(2, 8, 32, generator=generator).repeat(1, 1, 2)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def run(fn):
+        inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in (q, k, cos, sin)]
+        outs = fn(*inputs)
+        sum((o.float() * torch.linspace(-1, 1, o.numel()).view(o.shape)).sum() for o in outs).backward()
+        return [*outs, inputs[0].grad, inputs[1].grad]
+
+    compiled, eager = run(torch.compile(rope, backend="qwen_npu")), run(rope)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1.6e-2)
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want, **tolerance)
+    [report] = get_reports()
+    assert report.fusions["rotary"] == 2 and report.variants == {"rotary_bsnd": 2}
+    assert rotary_refusals(report) == []
+    assert report.aot_ops["forward"] == {"npu_rotary_mul": 2}
+    assert report.aot_ops["backward"] == {"npu_rotary_mul_backward": 2}
+
+
+def test_expected_fusions_reads_a_multimodal_models_text_config():
+    """``Qwen3_5ForConditionalGeneration``'s top-level ``Qwen3_5Config`` (what real checkpoints are): its
+    ``text_config``'s counts, not ``AttributeError``."""
+    import transformers
+
+    if not hasattr(transformers, "Qwen3_5Config"):
+        pytest.skip(f"transformers {transformers.__version__} has no Qwen3.5")
+    config = transformers.Qwen3_5Config(text_config=dict(num_hidden_layers=8))
+    assert expected_fusions(config) == expected_fusions(config.text_config)
+    assert expected_fusions(config, ["rotary", "gated_delta_rule"]) == {"gated_delta_rule": 6, "rotary": 4}
+    assert expected_fusions(config, per_layer=True, layer_type="full_attention")["rotary"] == 2

@@ -29,6 +29,13 @@ transformers' function, and a takeover of verl's packed forward), with its limit
 :data:`SUBSTITUTED_VARIANT`) and reports a traced delta rule (its ``linalg_solve_triangular`` anchors) as a
 near miss that says why.
 
+Packed rows: the op gets the row's offsets wherever the caller has them (verl's ``cu_seqlens``, transformers'
+``cu_seq_lens_q``, FLA's ``cu_seqlens``, or the sequence ends ``maybe_compile``'s pre-hook proves from
+``position_ids``) and runs each sequence from a zero state, as if alone (FLA's semantics), also where eager
+transformers / verl do not (see :mod:`qwen_npu_compile.integrations.deltanet`). A whole-model
+``torch.compile`` of a row packed only by ``position_ids`` still runs the DeltaNet over the row as one sequence,
+as eager does (the op gets no offsets there).
+
 Numerics: the op's CPU kernel is the same arithmetic as transformers' reference (equal to the last bit in
 fp32 and bf16); the backward recomputes it with autograd (gradients equal the reference's).
 """

@@ -72,6 +72,7 @@ def verl_npu_patches(compile_on: bool):
                                            if isinstance(cls, type) and cls.__module__ == module.__name__})
              for module in _modeling_modules()]
     sys.modules.pop(NPU_PATCH, None)
+    pending = dict(hook._after_import.actions)
     if compile_on:
         assert hook.install({ENV_COMPILE: "1"})  # the post-import hook on npu_patch (and verl's engine package)
     sys.modules["torch_npu"] = stand_in_torch_npu()
@@ -94,6 +95,8 @@ def verl_npu_patches(compile_on: bool):
                     setattr(module, name, value)
         torch.histc = _HISTC
         sys.modules.pop(NPU_PATCH, None)
+        for name in set(hook._after_import.actions) - set(pending):  # install()'s engine hook, never imported here
+            hook._after_import.actions.pop(name)
 
 
 @pytest.fixture

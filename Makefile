@@ -1,5 +1,5 @@
 # Developer shortcuts. `make test` is the README's test command; `make bench` reruns the performance
-# evidence (README, "Performance evidence") and writes benchmarks/results/*.json and summary.md.
+# evidence (docs/performance.md) and writes benchmarks/results/*.json and summary.md.
 PYTHON ?= python
 BENCH_OUT ?= benchmarks/results
 BENCH_QUICK_OUT ?= /tmp/qwen_npu_bench_quick

@@ -84,7 +84,7 @@ def qwen_npu_backend(
             the paired torch_npu wheel could not be obtained (no network and none cached).
         FusionError: strict mode and an enabled family refused or near-missed a match, or a stage failed
             (canonicalize, fuse, emit, hand-off, dump, report) where the default falls back with one
-            warning (:data:`STAGES`; see the README's "No stage stops training").
+            warning (:data:`STAGES`; see docs/how-it-works.md, "No stage stops training").
     """
     if mode is not None:
         raise ValueError(

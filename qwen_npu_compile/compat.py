@@ -131,7 +131,7 @@ def untested_torch_message(version: str | None = None) -> str | None:
     return (f"qwen_npu_compile: torch {version} is {side} than the tested range (torch{TESTED_TORCH}, i.e. "
             f"{'.'.join(map(str, lower))} to {newest}.x); fusions may be missing or compiles may fall back unfused. "
             f"Install a tested torch (pip install 'torch{TESTED_TORCH}'), or run `qwen-npu-compile check MODEL` "
-            f"to see what fuses here (README, Supported stacks)")
+            f"to see what fuses here (docs/supported-stacks.md)")
 
 
 def warn_if_untested_torch(version: str | None = None) -> bool:

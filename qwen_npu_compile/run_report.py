@@ -42,7 +42,7 @@ or one holding no readable ``summary.json`` / ``report.json``). 0 otherwise. A f
 JSON, or not a report, is skipped with a warning naming it.
 
 The JSON written by ``--json`` is :func:`build_report`'s dict (keys documented there and in the
-README, "Reading a run afterwards").
+docs/using-the-backend.md, "Reading a run afterwards").
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ printed in the runs' order.
 The sequence length (80, or 24 in fp16) is a size no dimension of the model has: torchair's view optimisation
 (``_ge_concrete_graph/continguous.py``, ``optimize_view``) compares view dims and pins a dynamic
 sequence length that equals the head dim (64, check's default length) at the first compile; under
-``mark_dynamic`` that is an error, under Dynamo's automatic dynamic one extra recompile (README,
-Known limitations).
+``mark_dynamic`` that is an error, under Dynamo's automatic dynamic one extra recompile (docs/limitations.md,
+torchair).
 """
 
 from __future__ import annotations

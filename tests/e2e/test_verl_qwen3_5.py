@@ -22,12 +22,16 @@ pytest.importorskip("verl.models.transformers.qwen3_5", reason="verl with its Qw
 
 DRIVER = Path(__file__).with_name("verl_qwen3_5_run.py")
 PACKINGS = 10
-#: fp32 bound of each sequence's logits (max abs difference over max abs value) against the sequence run alone.
-LOGITS_RTOL = {"fp32": 1e-5, "bf16": 3e-2}
-#: The gradients (rel-L2 per parameter) after 10 packings against the same sequences run alone: summation order
-#: differs (one packed backward against one per sequence); measured 1.2e-5 worst (``A_log`` / ``dt_bias`` of the
-#: first DeltaNet, sums over every token), 3e-6 for the rest.
-GRADS_RTOL = {"fp32": 3e-5, "bf16": 5e-2}
+#: fp32: each sequence's logits against the sequence run alone, max abs difference over max abs value (measured
+#: 2.2e-6).
+LOGITS_RTOL = 1e-5
+#: bf16: each sequence's logits and each gradient, relative L2 distance to the fp32 truth (each sequence alone,
+#: fp32), at most this times eager bf16's own (each sequence alone, bf16); measured 1.16 (logits), 1.07 (grads).
+BF16_VS_EAGER = 1.5
+#: fp32: the gradients (rel-L2 per parameter) after 10 packings against the same sequences run alone: summation
+#: order differs (one packed backward against one per sequence); measured 7.7e-6 to 1.2e-5 worst (``A_log`` /
+#: ``dt_bias`` of the first DeltaNet, sums over every token), 3e-6 for the rest.
+GRADS_RTOL = 3e-5
 
 
 def _run(tmp_path: Path, name: str, **env) -> tuple[dict, dict]:
@@ -46,23 +50,44 @@ def tmp(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def alone(tmp):
-    """Each sequence of every packing run alone, eager, fp32: the per-sequence truth."""
-    return _run(tmp, "alone", DT="fp32", ALONE="1")
+    """Each sequence of every packing run alone, eager, per dtype: the per-sequence truth."""
+    runs = {}
+
+    def get(dtype: str):
+        if dtype not in runs:
+            runs[dtype] = _run(tmp, f"alone_{dtype}", DT=dtype, ALONE="1")
+        return runs[dtype]
+
+    return get
 
 
-def _assert_per_sequence(run, alone, dtype: str) -> None:
+def _rel(got, want) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def _assert_per_sequence(run, alone) -> None:
+    """fp32: every sequence's logits and the gradients equal each sequence run alone."""
     (on, on_tensors), (ref, ref_tensors) = run, alone
     assert len(on["losses"]) == len(ref["losses"]) == PACKINGS
     for got, want in zip(on["losses"], ref["losses"]):
-        assert abs(got - want) <= LOGITS_RTOL[dtype] * 10 * abs(want)
+        assert abs(got - want) <= LOGITS_RTOL * abs(want)
     for packing, reference in zip(on_tensors["logits"], ref_tensors["logits"]):
         assert [len(x) for x in packing] == [len(x) for x in reference]
         for got, want in zip(packing, reference):
-            assert (got - want).abs().max() <= LOGITS_RTOL[dtype] * want.abs().max()
+            assert (got - want).abs().max() <= LOGITS_RTOL * want.abs().max()
     grads, want = on_tensors["grads"], ref_tensors["grads"]
     assert grads.keys() == want.keys()
-    worst = max(((grads[n] - want[n]).norm() / want[n].norm()).item() for n in want)
-    assert worst <= GRADS_RTOL[dtype]
+    assert max(_rel(grads[n], want[n]) for n in want) <= GRADS_RTOL
+
+
+def _assert_bf16_per_sequence(run, eager_bf16, truth) -> None:
+    """bf16: per sequence and per gradient, no farther from the fp32 truth than eager bf16 (each alone) is."""
+    (_, on), (_, eager), (_, fp32) = run, eager_bf16, truth
+    for packing, eager_packing, reference in zip(on["logits"], eager["logits"], fp32["logits"]):
+        for got, mine, want in zip(packing, eager_packing, reference):
+            assert _rel(got, want) <= BF16_VS_EAGER * _rel(mine, want)
+    for name, want in fp32["grads"].items():
+        assert _rel(on["grads"][name], want) <= BF16_VS_EAGER * _rel(eager["grads"][name], want)
 
 
 def _assert_graphs(on: dict, linear_attention: dict | None = None) -> None:
@@ -79,10 +104,13 @@ def _assert_graphs(on: dict, linear_attention: dict | None = None) -> None:
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_one_graph_per_layer_kind_and_each_sequence_as_if_alone(dtype, tmp, alone):
     """verl's packed path compiled: 2 graphs, exact counts; every sequence's logits and the gradients equal running
-    each sequence alone (bf16 against the fp32 truth, at bf16's tolerance)."""
+    each sequence alone (bf16: no farther from the fp32 truth than eager bf16 run alone)."""
     run = _run(tmp, f"on_{dtype}", DT=dtype, QWEN_NPU_COMPILE="1")
     _assert_graphs(run[0])
-    _assert_per_sequence(run, alone, dtype)
+    if dtype == "fp32":
+        _assert_per_sequence(run, alone("fp32"))
+    else:
+        _assert_bf16_per_sequence(run, alone("bf16"), alone("fp32"))
 
 
 @pytest.mark.verl
@@ -93,7 +121,7 @@ def test_fla_bound_module_keeps_the_op(tmp, alone):
     run = _run(tmp, "on_fla", DT="fp32", QWEN_NPU_COMPILE="1", FLA="1")
     assert run[0]["fla_calls"] == []
     _assert_graphs(run[0])
-    _assert_per_sequence(run, alone, "fp32")
+    _assert_per_sequence(run, alone("fp32"))
 
 
 @pytest.mark.verl

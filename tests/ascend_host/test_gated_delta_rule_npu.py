@@ -153,3 +153,25 @@ def test_head_dim_128_no_grad_forward_runs_torch_npus_op(npu, no_fla):
     g, beta = -torch.rand(1, 9, 2, device=npu), torch.rand(1, 9, 2, dtype=torch.bfloat16, device=npu)
     OP(q, k, v, g, beta, None, None, 128 ** -0.5, True)
     assert sim.op_calls().get("npu_chunk_gated_delta_rule", 0) == before + 1
+
+
+IMPORT_ORDER = """
+import torch
+import qwen_npu_compile.npu_ops.gated_delta_rule  # before torch_npu: PrivateUse1 not yet named npu
+import torch_npu
+q, k, v = (torch.randn(1, 8, 2, 128, dtype=torch.bfloat16).npu() for _ in range(3))
+g, beta = -torch.rand(1, 8, 2).npu(), torch.rand(1, 8, 2, dtype=torch.bfloat16).npu()
+with torch.no_grad():
+    out, _ = torch.ops.qwen_npu.chunk_gated_delta_rule(q, k, v, g, beta, None, None, 128 ** -0.5, True)
+print(out.device, torch_npu._ops.CALLS.get("npu_chunk_gated_delta_rule", 0))
+"""
+
+
+def test_the_kernel_is_registered_when_this_package_imports_before_torch_npu():
+    import subprocess
+
+    env = sim.subprocess_env()
+    env["PYTHONPATH"] = env["PYTHONPATH"].replace(str(STAND_INS), "")  # no FLA: torch_npu's op for this no-grad call
+    result = subprocess.run([sys.executable, "-c", IMPORT_ORDER], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["npu:0", "1"]

@@ -73,7 +73,8 @@ def _dense(prefix: str) -> tuple[Target, ...]:
 
 
 def _hybrid(prefix: str) -> tuple[Target, ...]:
-    return (Target(f"{prefix}RMSNormGated", "forward", "rms_norm_gated"), Target(f"{prefix}RMSNorm", "forward", "rms_norm"),
+    return (Target(f"{prefix}RMSNormGated", "forward", "rms_norm_gated"),
+            Target(f"{prefix}RMSNorm", "forward", "rms_norm"),
             Target(None, "apply_rotary_pos_emb", "rotary"))
 
 
@@ -121,9 +122,9 @@ class Takeover:
         stays = grouped(self.verls)
         if self.off:
             stays += f"; switched off by {ENV_FUSIONS}: {grouped(self.off)}"
-        return (f"qwen_npu: QWEN_NPU_COMPILE=1: verl {verl_version}'s npu_patch kept from the compiled decoder layers "
-                f"(they trace transformers' own code, qwen_npu fuses it; eager code keeps verl's): {grouped(self.taken)}"
-                f" | stays verl's: {stays}")
+        return (f"qwen_npu: QWEN_NPU_COMPILE=1: verl {verl_version}'s npu_patch kept from the compiled decoder "
+                f"layers (they trace transformers' own code, qwen_npu fuses it; eager code keeps verl's): "
+                f"{grouped(self.taken)} | stays verl's: {stays}")
 
 
 #: The record of the latest ``apply_npu_patches`` call (None before any).

@@ -200,7 +200,8 @@ def test_one_info_line_names_what_is_taken_over_and_what_stays_verls(compile_on,
         assert {k: v for k, v in taken.items() if k[0] in ("qwen2", "qwen3_moe", "qwen3_5")} == {
             ("qwen2", "Qwen2RMSNorm.forward"): "rms_norm", ("qwen2", "Qwen2MLP.forward"): "swiglu",
             ("qwen2", "apply_rotary_pos_emb"): "rotary",
-            ("qwen3_moe", "Qwen3MoeRMSNorm.forward"): "rms_norm", ("qwen3_moe", "Qwen3MoeSparseMoeBlock.forward"): "moe",
+            ("qwen3_moe", "Qwen3MoeRMSNorm.forward"): "rms_norm",
+            ("qwen3_moe", "Qwen3MoeSparseMoeBlock.forward"): "moe",
             ("qwen3_moe", "apply_rotary_pos_emb"): "rotary",
             ("qwen3_5", "Qwen3_5RMSNormGated.forward"): "rms_norm_gated",
             ("qwen3_5", "Qwen3_5RMSNorm.forward"): "rms_norm", ("qwen3_5", "apply_rotary_pos_emb"): "rotary"}

@@ -304,7 +304,8 @@ FLA_KERNELS = {
 
 
 def fla_cost(node: torch.fx.Node) -> list[dict]:
-    """FLA 0.5.2's kernels for one delta rule op node (:data:`FLA_KERNELS`): per kernel ``name``, ``flops`` (Cube),
+    """FLA 0.5.2's kernels for one delta rule op node (:data:`FLA_KERNELS`; the backward op's: FLA's forward,
+    recomputed under autograd, then its backward): per kernel ``name``, ``flops`` (Cube),
     ``bytes_read``, ``bytes_written``, ``roofline_ps`` (``max(FLOPs / Cube peak, bytes / bandwidth)``), for ``B·T``
     tokens (padded to whole chunks) and ``H`` heads."""
     (q, _, v, _, _), _, _ = _op_shapes(node)
@@ -313,8 +314,10 @@ def fla_cost(node: torch.fx.Node) -> list[dict]:
     element = q.dtype.itemsize
     units = batch * -(-tokens // CHUNK) * CHUNK * heads  # token-heads
     out = []
-    for name, flops, reads, writes in FLA_KERNELS["backward" if traffic.op_name(node) == DELTA_RULE_BACKWARD
-                                                 else "forward"]:
+    # the backward op recomputes FLA's forward under autograd, then runs FLA's backward (gated_delta_rule.py)
+    kernels = (FLA_KERNELS["forward"] + FLA_KERNELS["backward"] if traffic.op_name(node) == DELTA_RULE_BACKWARD
+               else FLA_KERNELS["forward"])
+    for name, flops, reads, writes in kernels:
         def moved(tensors):
             return round(sum(eval(n, {}, values) * (element if size == "e" else size) for n, size in tensors) * units)
         kernel = {"name": name, "flops": round(eval(flops, {}, values) * units), "bytes_read": moved(reads),

@@ -331,6 +331,8 @@ def run_check(args: argparse.Namespace) -> dict:
             **torchair_seconds,
         },
         "graphs": len(reports),
+        # what ran one step down (e.g. on an Ascend host without a runnable GE graph: torchair -> aot_eager)
+        "downstream_fallbacks": [dict(f, qwen_npu_graph=r.name) for r in reports for f in r.downstream_fallbacks],
         "problems": problems,
         "verdict": "PASS" if not problems else "FAIL",
     }

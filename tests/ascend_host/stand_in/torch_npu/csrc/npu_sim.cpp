@@ -16,6 +16,7 @@
 #include <ATen/ops/view_as_complex_native.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/autocast_mode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <atomic>
@@ -252,6 +253,28 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&npu_fallback>());
 }
+
+// torch.autocast("npu"): torch_npu registers AutocastPrivateUse1 kernels with CUDA's op lists; every other op
+// falls through (without this, an op under autocast finds no Autocastnpu kernel)
+TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFallthrough());
+}
+
+namespace at::autocast {
+namespace {
+TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
+#define _NPU_LOW(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
+#define _NPU_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
+#define _NPU_FP32_SET_OPT_DTYPE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32_set_opt_dtype)
+#define _NPU_PROMOTE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, promote)
+  AT_FORALL_LOWER_PRECISION_FP(_NPU_LOW)
+  AT_FORALL_FP32(_NPU_FP32)
+  AT_FORALL_FP32_SET_OPT_DTYPE(_NPU_FP32_SET_OPT_DTYPE)
+  AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE(KERNEL_DIFFERENT_REDISPATCH_SIGNATURE_PRIVATEUSEONE)
+  AT_FORALL_PROMOTE(_NPU_PROMOTE)
+}
+}  // namespace
+}  // namespace at::autocast
 
 namespace {
 void register_hooks() {

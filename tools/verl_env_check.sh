@@ -6,7 +6,7 @@
 # 1. makes a venv in a temporary folder (deleted on exit, also on failure);
 # 2. installs torch 2.13.0 (CPU), transformers 5.10.4 (inside verl 0.9.1's pin >=5.5.3,!=5.6.0,<5.11),
 #    verl 0.9.1 with all its dependencies (accelerate, ray, peft, tensordict, ... as verl declares them),
-#    pytest, and this project (--no-deps, editable: the qwen_npu backend is registered by entry point);
+#    pytest (+ pytest-xdist: the files run in two processes, as the README suite does), and this project (--no-deps, editable: the qwen_npu backend is registered by entry point);
 # 3. runs tests/e2e/test_verl_hook.py (its `-m verl` part drives verl's own FSDP engine on the CPU),
 #    tests/e2e/test_trainer.py (accelerate comes with verl) and tests/e2e/test_verl_moe_patch.py (verl's real
 #    npu_patch Qwen3-MoE block compiled with qwen_npu) and tests/e2e/test_verl_qwen3_5.py (verl's packed Qwen3.5
@@ -33,7 +33,7 @@ trap cleanup EXIT
 
 "$python" -m venv "$tmp/venv"
 pip=("$tmp/venv/bin/python" -m pip --disable-pip-version-check)
-"${pip[@]}" install -q torch==2.13.0 transformers==5.10.4 verl==0.9.1 pytest==9.0.3
+"${pip[@]}" install -q torch==2.13.0 transformers==5.10.4 verl==0.9.1 pytest==9.0.3 pytest-xdist==3.8.0
 "${pip[@]}" install -q --no-deps -e "$repo"
 installed=$(date +%s)
 echo "verl_env_check: install took $(( installed - start ))s, venv $(du -sh "$tmp/venv" | cut -f1)"
@@ -45,7 +45,7 @@ print(f"verl_env_check: verl {verl.__version__}, torch {torch.__version__}, tran
       f"accelerate {accelerate.__version__}")' 2>&1 | grep '^verl_env_check' || { echo "verl_env_check: preflight import failed"; exit 1; }
 
 set +e
-(cd "$repo" && "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider tests/e2e/test_verl_hook.py tests/e2e/test_trainer.py tests/e2e/test_verl_moe_patch.py \
+(cd "$repo" && "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests/e2e/test_verl_hook.py tests/e2e/test_trainer.py tests/e2e/test_verl_moe_patch.py \
     tests/e2e/test_verl_qwen3_5.py tests/e2e/test_verl_npu_patch.py tests/e2e/test_deltanet_packed.py)
 status=$?
 echo "verl_env_check: tests took $(( $(date +%s) - installed ))s (pytest exit $status)"

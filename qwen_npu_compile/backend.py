@@ -143,6 +143,10 @@ def rewrite(gm, example_inputs, config: QwenNpuConfig, status: NpuOpsStatus, dow
 
     # Dynamo's graph first: it is what a canonicalize fallback needs to be debugged with
     dump.write_graph(config, report, "captured", gm)
+    if not status.simulated and _all_on_cpu(example_inputs):
+        # torch_npu's kernels take npu tensors only: fused ops on CPU tensors would crash the first step
+        return compile_unfused(report, gm, "fuse", "the graph's tensors are on the CPU and torch_npu's fused ops run "
+                               "on NPU tensors only: move the model and its inputs to the NPU (model.to('npu'))")
     start = time.perf_counter()
     try:
         aten_gm = canonicalize.to_aten_graph(gm, example_inputs)
@@ -172,6 +176,12 @@ def rewrite(gm, example_inputs, config: QwenNpuConfig, status: NpuOpsStatus, dow
         return compile_unfused(report, gm, "emit", f"finishing the rewritten graph failed: {type(exc).__name__}: {exc}")
     dump.write_graph(config, report, "rewritten", aten_gm)
     return report, aten_gm
+
+
+def _all_on_cpu(example_inputs) -> bool:
+    """True when the graph has tensor inputs and every one is a CPU tensor (parameters are inputs too)."""
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    return bool(tensors) and all(t.device.type == "cpu" for t in tensors)
 
 
 #: The stages of :func:`qwen_npu_backend`, as named in ``report.fallback_stage`` and strict mode's errors.

@@ -119,3 +119,16 @@ def test_qwen3_moe_maybe_compile_per_layer_on_npu(npu, monkeypatch):
     for name, record in layers.records.items():
         assert len(record.reports) == 1, name
         assert nonzero(record.reports[0].fusions) == LAYER_QWEN3_MOE, (name, record.reports[0].refused)
+
+
+def test_a_model_left_on_the_cpu_trains_unfused_with_one_warning(caplog):
+    """On an Ascend host torch_npu's ops refuse CPU tensors: a model compiled on the CPU (the README's first example
+    as written) compiles unfused, saying to move it to the NPU, instead of crashing the step."""
+    model = tiny_qwen2(torch.bfloat16).train()
+    ids = torch.randint(0, 128, (2, 16))
+    eager = run_model(model, model, ids, True)
+    result = run_model(model, torch.compile(model, backend="qwen_npu", options={"downstream": "aot_eager"}), ids, True)
+    assert_runs_match(result, eager, fp32_reference(model, ids, True))
+    (report,) = get_reports()
+    assert report.fallback_stage == "fuse" and "model.to('npu')" in report.fallback
+    assert not any(report.fusions.values())

@@ -15,7 +15,9 @@ that the next call imports the NPU functions. Nothing of transformers is re-impl
 ``_flash_attention_forward``, ``_is_packed_sequence``, ``prepare_fa_kwargs_from_position_ids`` and NPU
 functions run. Everything is restored on exit.
 
-Never use it on a real Ascend host (it refuses when torch_npu is importable: the real path is there).
+Never use it on a real Ascend host (it refuses when torch_npu is importable: the real path is there). The
+simulated Ascend host of the tests (``tests/ascend_host``, ``docs/ascend-host.md``: a stand-in torch_npu, the model
+on ``npu``) needs no patching either: transformers finds its NPU functions by itself there, as on a host.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The tiny Qwen2 (``tiny_qwen2``, ``tiny_qwen2_config``), the forward/backward step (``run_model``) and the
 parity rule (``judge_runs``) are the ``check`` harness's own (:mod:`qwen_npu_compile.check`), so the
-tests judge parity exactly as ``qwen-npu-compile check`` and the README do.
+tests judge parity exactly as ``qwen-npu-compile check`` does (docs/check.md, "Parity").
 """
 
 from __future__ import annotations

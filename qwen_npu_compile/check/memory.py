@@ -191,7 +191,7 @@ def memory_plan(
 
     The peak is the largest phase plus a fixed 1 GiB (:attr:`MemoryPlan.runtime`). Checked against the
     peak resident set measured by ``tests/e2e/test_check_memory.py`` (``ru_maxrss`` of a ``check``
-    subprocess) on presets of different vocab and width; see the README's ``check`` section.
+    subprocess) on presets of different vocab and width; see docs/check.md, "Memory".
 
     Raises:
         ValueError: ``batch`` or ``seq_len`` < 1, or ``layers`` < 1.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-#: fp32 bounds of the relative L2 error, per quantity (README "Parity").
+#: fp32 bounds of the relative L2 error, per quantity (docs/check.md, "Parity").
 FP32_TOLERANCE = {"logits": 1e-5, "gradients": 1e-4}
 #: Half precision: compiled's relative L2 error to the fp32 reference <= HALF_MULTIPLIER x eager's + HALF_SLACK.
 HALF_MULTIPLIER = 2.0

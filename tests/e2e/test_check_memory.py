@@ -5,7 +5,7 @@ says what fits (fewer ``--layers``, ``--mode infer``, a smaller preset).
 
 The measured-peak cases of published presets (three of different vocab and width, bf16 training with the
 fp32 reference) take minutes each on a 2-core host: they run with ``QWEN_NPU_MEMORY_CHECK=1``; their
-results are in the README (``check``: memory). The default suite measures a vocab-heavy local model.
+results are in docs/check.md ("Memory"). The default suite measures a vocab-heavy local model.
 """
 
 from __future__ import annotations

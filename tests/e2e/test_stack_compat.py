@@ -24,7 +24,7 @@ Each case asserts exact fusion counts, no fallback, no refusal, and parity with 
 judges it (``qwen_npu_compile.check.parity``): fp32 relative L2 error <= 1e-5 on logits and <= 1e-4 on
 all gradients together; bf16 against an fp32 run of the same weights (relative L2 to it <= 2 x eager's
 + 1e-3), logits of real tokens only with left padding. The fusion totals go
-to the junit report (``record_property("fusions", ...)``), from which the README's support table is
+to the junit report (``record_property("fusions", ...)``), from which docs/supported-stacks.md's support table is
 generated. Nothing global is written: the compile switch is passed to ``maybe_compile`` as
 ``environ``, no dump folder, and conftest resets Dynamo and the report summary around every test.
 """

@@ -96,7 +96,7 @@ def test_callback_refuses_whole_model_compile_on_top(tmp_path, monkeypatch):
 def test_accelerate_rejects_qwen_npu_as_trainer_compile_backend(tmp_path):
     """Why the callback exists: the Trainer's own torch_compile_backend goes through Accelerate's enum.
 
-    (When this starts failing, Accelerate accepts registered backends and docs/verl.md's Trainer
+    (When this starts failing, Accelerate accepts registered backends and docs/using-the-backend.md's Trainer
     section should say so.)
     """
     with pytest.raises(ValueError, match="not a valid DynamoBackend"):

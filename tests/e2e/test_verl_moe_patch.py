@@ -212,7 +212,7 @@ def test_torchair_conversion_records_each_unconvertible_op(tmp_path):
     """Forward and backward GE graphs of a bf16 training step, off-NPU (torchair from the torch_npu wheel;
     skipped without it): no crash, verl's grouped matmuls convert (GroupedMatmul, forward and NPUGmmFunction's
     backward), and every op torchair has no converter for is a recorded failure with its reason (on an NPU the
-    hand-off then runs that graph eagerly, README "Bad inputs")."""
+    hand-off then runs that graph eagerly, docs/bad-inputs.md)."""
     (ge,) = run_ge_script(GE_SCRIPT, tmp_path, "e2e")
     assert (ge["fusions"], ge["downstream"]) == (NOTHING, "torchair")
     assert ge["already_fused"] == {family: n * LAYERS + (family == "rms_norm") for family, n in ALREADY_FUSED_PER_LAYER.items()}

@@ -88,7 +88,23 @@ def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def test_a_compiled_deltanet_layer_trains_on_fla(npu, fla):
+def _eager_resolves_fla_now(monkeypatch):
+    """transformers 5.24 picks its delta-rule kernel ONCE, when ``modeling_qwen3_5`` is first imported
+    (``use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", "fla")``: FLA if importable then, else the
+    torch function), and each ``fla`` fixture imports a fresh FLA stand-in (its own ``CALLS``). So which FLA, if
+    any, eager calls depends on which test of the process imported Qwen3.5 first (test_eager_parity.py,
+    test_check_qwen3_5.py, a ``no_fla`` test: the torch function). Re-run transformers' own decorator now, with
+    this test's FLA importable, as importing ``modeling_qwen3_5`` on a host with FLA does (undone after the
+    test). Only for the eager run: the compiled run's substitution is keyed on the function it found."""
+    from transformers.integrations import hub_kernels
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
+
+    torch_function = modeling.torch_chunk_gated_delta_rule.__wrapped__
+    decorate = hub_kernels.use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", "fla")
+    monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", decorate(torch_function))
+
+
+def test_a_compiled_deltanet_layer_trains_on_fla(npu, fla, monkeypatch):
     model, eager = _model(torch.float32, 32), _model(torch.float32, 32)  # (deepcopy of npu storages crashes here)
     ids = torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(1)).to(npu)
     loss, grads = _step(model, ids, compiled=True)
@@ -98,6 +114,7 @@ def test_a_compiled_deltanet_layer_trains_on_fla(npu, fla):
     for call in calls:
         assert call["q"] == call["k"] == (torch.float32, (1, 70, 4, 32), "npu") and call["g"][0] == torch.float32
         assert call["use_qk_l2norm_in_kernel"] is True and call["output_final_state"] is True
+    _eager_resolves_fla_now(monkeypatch)
     want_loss, want = _step(eager, ids)
     assert len(calls) == 3  # transformers 5.24's eager dispatches to FLA by itself (its hub wrapper)
     assert _rel(loss, want_loss) < 1e-5

@@ -98,6 +98,52 @@ def test_chunk_gated_delta_rule_contract(npu, head_dim, heads, ok):
     assert state.shape == (2, heads, head_dim, head_dim) and torch.isfinite(out.float().cpu()).all()
 
 
+def _delta_rule_call(npu, lengths=(4, 2), nk=2, nv=4, dk=128, dv=128, **dtypes):
+    """Arguments of ``npu_chunk_gated_delta_rule`` inside its contract, with ``dtypes`` (name -> dtype) changed."""
+    t = sum(lengths)
+    dt = {"query": torch.bfloat16, "key": torch.bfloat16, "value": torch.bfloat16, "beta": torch.bfloat16,
+          "g": torch.float32, "initial_state": torch.bfloat16, "actual_seq_lengths": torch.int32, **dtypes}
+    query = torch.randn(t, nk, dk).to(npu, dt["query"])
+    key = torch.randn(t, nk, dk).to(npu, dt["key"])
+    value = torch.randn(t, nv, dv).to(npu, dt["value"])
+    kwargs = dict(beta=torch.rand(t, nv).to(npu, dt["beta"]), g=(-torch.rand(t, nv)).to(npu, dt["g"]),
+                  initial_state=torch.zeros(len(lengths), nv, dv, dk).to(npu, dt["initial_state"]),
+                  actual_seq_lengths=torch.tensor(lengths).to(npu, dt["actual_seq_lengths"]))
+    return (query, key, value), kwargs
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(lengths=(9, 2)), "L_i <= 8 per sequence"),
+    (dict(lengths=(8, 8, 1)), None),  # the longest allowed sequences
+    (dict(nk=65, nv=65), "Nk <= 64"),
+    (dict(nk=2, nv=66), "Nv <= 64"),
+    (dict(nk=64, nv=64), None),
+    (dict(nk=4, nv=6), "Nv a multiple of Nk"),
+    (dict(dk=64), "Dk = Dv = 128"),
+    (dict(dv=64), "Dk = Dv = 128"),
+    (dict(query=torch.float16), "query/key/value must be bf16"),
+    (dict(value=torch.float32), "query/key/value must be bf16"),
+    (dict(beta=torch.float32), "beta must be bf16"),
+    (dict(g=torch.bfloat16), "g must be fp32"),
+    (dict(initial_state=torch.float32), "initial_state must be bf16"),
+    (dict(actual_seq_lengths=torch.int64), "actual_seq_lengths must be int32"),
+])
+def test_chunk_gated_delta_rule_whole_contract(npu, change, reason):
+    """Every clause of torch_npu 2.13.0 ``_op_plugin_docs.py`` ``npu_chunk_gated_delta_rule`` (约束说明: L_i <= 8,
+    Nk <= 64, Nv <= 64, Dk = Dv = 128, Nv a multiple of Nk; bf16 query/key/value/beta/initial_state, fp32 g,
+    int32 actual_seq_lengths): outside it the aclnn call fails, naming the clause; at its edges the op runs."""
+    shape = {k: change[k] for k in ("lengths", "nk", "nv", "dk", "dv") if k in change}
+    dtypes = {k: v for k, v in change.items() if k not in shape}
+    args, kwargs = _delta_rule_call(npu, **shape, **dtypes)
+    if reason is not None:
+        with pytest.raises(RuntimeError, match=f"aclnnChunkGatedDeltaRule failed: {reason}"):
+            torch.ops.npu.npu_chunk_gated_delta_rule(*args, **kwargs)
+        return
+    out, state = torch.ops.npu.npu_chunk_gated_delta_rule(*args, **kwargs)
+    assert out.shape == args[2].shape and out.dtype == torch.bfloat16 and out.device == npu
+    assert state.shape == kwargs["initial_state"].shape and torch.isfinite(out.float().cpu()).all()
+
+
 def test_lazy_torchair_module_is_installed():
     proxy = sys.modules["torchair"]
     assert type(proxy).__name__ == "_LazyTorchair"

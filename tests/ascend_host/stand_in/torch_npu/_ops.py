@@ -75,12 +75,17 @@ CHUNK_GATED_DELTA_RULE_SCHEMA = (
 )
 
 
+#: longest sequence the op takes (torch_npu 2.13.0 ``_op_plugin_docs.py``, 约束说明: "L_i <= 8")
+MAX_SEQUENCE_LENGTH = 8
+
+
 def chunk_gated_delta_rule_violation(query, key, value, beta, initial_state, actual_seq_lengths, g) -> str | None:
     """Why ``npu_chunk_gated_delta_rule`` fails (its aclnn call), or None. The documented contract (torch_npu
     2.13.0 / 2.14.0 ``_op_plugin_docs.py``, the same text in both): TND ``query/key [T, Nk, Dk]``, ``value
     [T, Nv, Dv]``, ``beta [T, Nv]`` bf16, ``g [T, Nv]`` fp32, ``initial_state [N, Nv, Dv, Dk]`` bf16 (required),
-    ``actual_seq_lengths [N]`` int32 summing to T; q/k/v bf16; **Dk = Dv = 128, Nk <= 64, Nv <= 64, Nv a
-    multiple of Nk**."""
+    ``actual_seq_lengths [N]`` int32 summing to T; q/k/v bf16; **L_i <= 8 per sequence, Nk <= 64, Nv <= 64,
+    Dk = Dv = 128, Nv a multiple of Nk** (约束说明: "L_i <= 8, N_k <= 64, N_v <= 64, D_k = 128, D_v = 128,
+    N_v 是 N_k 整数倍")."""
     if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
         return f"query/key/value must be TND (3-D), got {query.dim()}/{key.dim()}/{value.dim()}-D"
     if any(t.dtype != torch.bfloat16 for t in (query, key, value)):
@@ -91,8 +96,12 @@ def chunk_gated_delta_rule_violation(query, key, value, beta, initial_state, act
         return f"shapes query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)} do not match"
     if dk != 128 or dv != 128:
         return f"Dk = Dv = 128 only (got Dk={dk}, Dv={dv})"
-    if nk > 64 or nv > 64 or nv % nk:
-        return f"Nk <= 64, Nv <= 64 and Nv a multiple of Nk only (got Nk={nk}, Nv={nv})"
+    if not 1 <= nk <= 64:
+        return f"Nk <= 64 only (got Nk={nk})"
+    if nv > 64:
+        return f"Nv <= 64 only (got Nv={nv})"
+    if nv % nk:
+        return f"Nv a multiple of Nk only (got Nk={nk}, Nv={nv})"
     if beta is None or beta.dtype != torch.bfloat16 or tuple(beta.shape) != (tokens, nv):
         return f"beta must be bf16 [T, Nv] = [{tokens}, {nv}]"
     if g is None or g.dtype != torch.float32 or tuple(g.shape) != (tokens, nv):
@@ -102,6 +111,11 @@ def chunk_gated_delta_rule_violation(query, key, value, beta, initial_state, act
     if initial_state is None or initial_state.dtype != torch.bfloat16 or tuple(initial_state.shape) != (
             actual_seq_lengths.shape[0], nv, dv, dk):
         return f"initial_state must be bf16 [N, Nv, Dv, Dk] = [{actual_seq_lengths.shape[0]}, {nv}, {dv}, {dk}]"
+    lengths = [int(n) for n in actual_seq_lengths.tolist()]
+    if sum(lengths) != tokens or min(lengths, default=1) < 1:
+        return f"actual_seq_lengths {lengths} must be positive and sum to T={tokens}"
+    if max(lengths, default=0) > MAX_SEQUENCE_LENGTH:
+        return f"L_i <= {MAX_SEQUENCE_LENGTH} per sequence only (got actual_seq_lengths {lengths})"
     return None
 
 
@@ -111,9 +125,6 @@ def _chunk_gated_delta_rule(query, key, value, *, beta=None, initial_state=None,
     if reason is not None:
         raise RuntimeError(f"npu_chunk_gated_delta_rule: aclnnChunkGatedDeltaRule failed: {reason}")
     lengths = [int(n) for n in actual_seq_lengths.tolist()]
-    if sum(lengths) != query.shape[0] or min(lengths, default=1) < 1:
-        raise RuntimeError(f"npu_chunk_gated_delta_rule: actual_seq_lengths {lengths} must be positive and sum to "
-                           f"T={query.shape[0]}")
     from qwen_npu_compile.npu_ops.gated_delta_rule import reference
 
     repeat = value.shape[1] // query.shape[1]

@@ -165,3 +165,44 @@ def test_storages_deepcopy_and_memory_statistics(npu):
     assert torch.npu.memory_allocated() - before == big.numel() * 4 <= torch.npu.max_memory_allocated() - before
     big.untyped_storage().resize_(16)
     assert torch.npu.memory_allocated() - before == 16
+
+
+def test_parameter_data_takes_npu_tensors_as_torch_npu_allows(npu):
+    """torch_npu's ``_has_compatible_shallow_copy_type`` (libtorch_npu.so: ``at_npu::native::
+    _has_compatible_shallow_copy_type``): dense CPU and npu tensors are compatible, so ``param.data = npu_tensor``
+    (FSDP2's ``fully_shard``) works and ``Module.to("npu")`` keeps its Parameter objects, as on CUDA."""
+    param = torch.nn.Parameter(torch.randn(3))
+    on_npu = param.detach().to(npu)
+    assert torch._has_compatible_shallow_copy_type(param, on_npu) and torch._has_compatible_shallow_copy_type(on_npu, param)
+    assert not torch._has_compatible_shallow_copy_type(torch.randn(2).to_sparse(), on_npu)  # sparse: not dense
+    param.data = on_npu
+    assert param.device == npu and isinstance(param, torch.nn.Parameter) and param.requires_grad
+    linear = torch.nn.Linear(2, 3)
+    weight = linear.weight
+    assert linear.to(npu).weight is weight and weight.device == npu
+
+
+def test_hccl_process_group_is_one_rank(npu, tmp_path):
+    """``init_process_group("cpu:gloo,npu:hccl")`` (verl's ``initialize_global_process_group``): npu collectives
+    run on one rank (gloo refuses npu tensors); a group of two is refused with a clear error."""
+    import types
+
+    import torch.distributed as dist
+
+    from torch_npu import _distributed
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("cpu:gloo,npu:hccl", store=store, rank=0, world_size=1)
+    try:
+        t = torch.arange(4.0, device=npu)
+        dist.broadcast(t, 0)
+        dist.all_reduce(t)
+        gathered, scattered = torch.empty(4, device=npu), torch.empty(4, device=npu)
+        dist.all_gather_into_tensor(gathered, t * 2)
+        dist.reduce_scatter_tensor(scattered, t * 3)
+        assert [x.cpu().tolist() for x in (t, gathered, scattered)] == [[0, 1, 2, 3], [0, 2, 4, 6], [0, 3, 6, 9]]
+        assert dist.get_backend() == "cpu:gloo,npu:hccl"
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(RuntimeError, match="one rank only, got a group of 2"):
+        _distributed._new_process_group_hccl(types.SimpleNamespace(group_size=2, group_rank=0), None)

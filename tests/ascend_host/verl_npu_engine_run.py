@@ -9,22 +9,23 @@ verl's npu_patch patches transformers for the whole process)::
 Nothing of verl is patched or re-implemented: ``import torch_npu`` is the stand-in, so verl's
 ``is_npu_available`` is true by itself, its platform is the NPU one (device ``npu``), and
 ``FSDPEngineWithLMHead.__init__`` runs ``apply_npu_fsdp_patches`` itself (verl's real ``npu_patch`` on the
-stand-in's ``torch_npu`` functions). The process group is gloo (world size 1; ``init_device_mesh("npu")``
-takes it). Per model (tiny Qwen2, Qwen3-MoE, Qwen3.5 saved with ``save_pretrained``; verl's default
-``flash_attention_2``, which transformers resolves to its NPU functions by itself here):
+stand-in's ``torch_npu`` functions). The process group is verl's own ``initialize_global_process_group_ray``
+(``cpu:gloo,npu:hccl``, world size 1: the stand-in's one-rank ``hccl`` for npu tensors, as torch_npu registers
+``hccl``; gloo takes CPU and CUDA tensors only). Per model (tiny Qwen2, Qwen3-MoE, Qwen3.5 saved with
+``save_pretrained``; verl's default ``flash_attention_2``, which transformers resolves to its NPU functions by
+itself here) and per input kind (``packed``: ``use_remove_padding``, verl's default; ``padded``), verl's whole
+engine (as tests/e2e/verl_engine_run.py drives it on a CPU):
 
-1. ``engine.initialize()`` -- verl's model build, our hook's compile in ``_build_fsdp_module``, FSDP2. On this
-   host it stops in FSDP2's ``fully_shard`` (recorded in ``OUT.json`` as ``initialize_error``): moving the
-   CPU-built parameters to ``npu`` assigns ``param.data`` across the CPU and PrivateUse1 tensor types, which
-   the stand-in refuses ("incompatible tensor type");
-2. so the pieces as far as they go: ``engine._build_module()`` (verl's: ``from_pretrained``,
-   ``apply_monkey_patch``, gradient checkpointing), then the hooked ``engine._build_fsdp_module(module)``,
-   which compiles the decoder layers (``maybe_compile``) before the same FSDP2 error; the compiled module is
-   moved to ``npu`` in bf16 and trained one step on verl's packed row (``use_remove_padding``: ``(1, T)``,
-   positions restarting per sequence) and on a padded batch (mask), as separate models.
+1. ``engine.initialize()`` -- verl's model build, our hook's compile in ``_build_fsdp_module``, FSDP2's
+   ``fully_shard`` (moving the CPU-built parameters to ``npu`` with ``param.data = ...``: the stand-in allows it
+   as torch_npu does, with its ``_has_compatible_shallow_copy_type`` kernel), ``fsdp2_load_full_state_dict``
+   (a broadcast through the process group), optimizer and scheduler;
+2. one step as ``BaseEngine.train_batch`` runs it: ``optimizer_zero_grad``, ``forward_backward_batch`` (4
+   sequences, 2 micro-batches, verl's ``sft_loss``), gradients read, ``optimizer_step``.
 
-``OUT.json``: per model and input kind, the loss, gradient norms, per-layer fusions / already-fused ops /
-fallbacks, and the hook's INFO line about verl's npu_patch.
+``OUT.json``: per model and input kind, the loss, gradient norms, the parameters' devices and verl's FSDP2
+module class, per-layer (per-graph) fusions / already-fused ops / fallbacks; the process group's backend and the
+hook's INFO line about verl's npu_patch.
 
 The stand-in lacks ``torch_npu.npu.mstx`` and ``torch_npu.profiler``, which verl's profiler module imports at
 import time (used only when profiling is on); empty modules stand in for them here.
@@ -32,6 +33,7 @@ import time (used only when profiling is on); empty modules stand in for them he
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -81,65 +83,70 @@ def save(family: str, folder: str) -> None:
     model.save_pretrained(folder)
 
 
-def inputs(kind: str, device) -> dict:
+def batch(kind: str):
+    """The step's sequences as verl's trainer hands them to the engine (nested, no padding) + its meta info, as
+    tests/e2e/verl_engine_run.py: ``packed`` = ``use_remove_padding`` (verl packs each micro-batch into one
+    ``(1, T)`` row, positions restarting per sequence), ``padded`` = verl pads each micro-batch (a mask)."""
+    from verl.utils import tensordict_utils as tu
+
     generator = torch.Generator().manual_seed(0)
-    if kind == "packed":
-        ids = torch.randint(0, 128, (1, sum(LENGTHS)), generator=generator)
-        positions = torch.cat([torch.arange(n) for n in LENGTHS]).unsqueeze(0)
-        return {"input_ids": ids.to(device), "position_ids": positions.to(device), "labels": ids.to(device)}
-    ids = torch.randint(0, 128, (2, 16), generator=generator)
-    mask = torch.ones(2, 16, dtype=torch.long)
-    mask[1, 11:] = 0
-    return {"input_ids": ids.to(device), "attention_mask": mask.to(device),
-            "labels": ids.masked_fill(mask == 0, -100).to(device)}
+    ids = [torch.randint(0, 128, (n,), generator=generator) for n in LENGTHS]
+    nested = functools.partial(torch.nested.as_nested_tensor, layout=torch.jagged)
+    return tu.get_tensordict(
+        tensor_dict={"input_ids": nested(ids), "position_ids": nested([torch.arange(n) for n in LENGTHS]),
+                     "loss_mask": nested([torch.ones(n, dtype=torch.long) for n in LENGTHS])},
+        non_tensor_dict={"use_remove_padding": kind == "packed", "use_dynamic_bsz": False,
+                         "micro_batch_size_per_gpu": 2, "temperature": 1.0, "global_batch_size": len(LENGTHS),
+                         "pad_mode": "no_padding", "pad_token_id": 0, "sp_size": 1})
 
 
-def engine_for(folder: str):
+def engine_for(folder: str, kind: str):
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-    model_config = HFModelConfig(path=folder, load_tokenizer=False, use_remove_padding=True,
+    model_config = HFModelConfig(path=folder, load_tokenizer=False, use_remove_padding=kind == "packed",
                                  enable_gradient_checkpointing=True)
     engine_config = FSDPEngineConfig(strategy="fsdp2", mixed_precision={"param_dtype": "bf16"})
     return FSDPEngineWithLMHead(model_config, engine_config, FSDPOptimizerConfig(lr=1e-3, total_training_steps=2),
                                 CheckpointConfig())
 
 
-def one(folder: str, kind: str) -> dict:
-    from qwen_npu_compile.worker import layer_reports
+def full(tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().float()
 
-    engine = engine_for(folder)  # FSDPEngine.__init__: apply_npu_fsdp_patches, device mesh
-    out = {"device": engine.device_name if hasattr(engine, "device_name") else None}
-    try:
-        engine.initialize()
-        out["initialize_error"] = None
-    except Exception as exc:  # noqa: BLE001 - what stops verl's engine here, recorded
-        out["initialize_error"] = f"{type(exc).__name__}: {exc}"
+
+def one(folder: str, kind: str) -> dict:
+    """verl's whole engine: ``FSDPEngine.__init__`` (apply_npu_fsdp_patches, device mesh), ``initialize()``
+    (model build, our hook's compile in ``_build_fsdp_module``, FSDP2 ``fully_shard`` onto ``npu``, the full
+    state dict loaded, optimizer), then one step as ``BaseEngine.train_batch`` runs it (``optimizer_zero_grad``,
+    ``forward_backward_batch`` with verl's ``sft_loss``, ``optimizer_step``), gradients read before the update."""
+    from verl.workers.utils.losses import sft_loss
+
+    from qwen_npu_compile.worker import clean_name, layer_reports
+
     torch._dynamo.reset()
-    module = engine._build_module()
-    try:
-        engine._build_fsdp_module(module)  # our hook compiles the layers, then verl's FSDP2 wrap
-        out["wrap_error"] = None
-    except Exception as exc:  # noqa: BLE001
-        out["wrap_error"] = f"{type(exc).__name__}: {exc}"
-    device = torch.device("npu", 0)
-    module = module.to(device=device, dtype=torch.bfloat16).train()
-    result = module(**inputs(kind, device), use_cache=False)
-    result.loss.backward()
-    out["loss"] = result.loss.item()
-    out["grads"] = {name: p.grad.float().norm().item() for name, p in module.named_parameters() if p.grad is not None}
-    out["param_device"] = str(next(module.parameters()).device)
-    out["layers"] = {}
-    for name, record in layer_reports(module).items():
-        out["layers"][name] = [{"fusions": dict(r.fusions), "already_fused": dict(r.already_fused),
-                                "fallback": r.fallback} for r in record.reports]
-    return out
+    engine = engine_for(folder, kind)
+    engine.initialize()
+    with engine.train_mode():
+        engine.optimizer_zero_grad()
+        out = engine.forward_backward_batch(batch(kind), functools.partial(sft_loss, None), forward_only=False)
+        grads = {clean_name(name): full(p.grad).norm().item()
+                 for name, p in engine.module.named_parameters() if p.grad is not None}
+        devices = sorted({str(p.device) for p in engine.module.parameters()})
+        engine.optimizer_step()
+    result = {"loss": float(sum(out["loss"])), "grads": grads, "param_devices": devices,
+              "module_class": type(engine.module).__name__, "layers": {}}
+    for name, record in layer_reports(engine.module).items():
+        result["layers"][name] = [{"fusions": dict(r.fusions), "already_fused": dict(r.already_fused),
+                                   "fallback": r.fallback} for r in record.reports]
+    return result
 
 
 def main(out_path: str) -> int:
     import torch.distributed as dist
     from verl.utils.device import get_device_name, is_npu_available
+    from verl.utils.distributed import initialize_global_process_group_ray
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
@@ -148,11 +155,12 @@ def main(out_path: str) -> int:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    os.environ.update(RANK="0", WORLD_SIZE="1")
+    initialize_global_process_group_ray()  # verl's: "cpu:gloo,npu:hccl" (the stand-in's one-rank hccl)
     lines = Lines()
     logging.getLogger("qwen_npu_compile").addHandler(lines)
     logging.getLogger("qwen_npu_compile").setLevel(logging.INFO)
-    results = {"verl": verl.__version__, "is_npu_available": bool(is_npu_available), "device_name": get_device_name(),
+    results = {"backend": dist.get_backend(), "verl": verl.__version__, "is_npu_available": bool(is_npu_available), "device_name": get_device_name(),
                "hook_imported_by_verl": "qwen_npu_compile.verl" in sys.modules, "runs": {}}
     families = os.environ.get("VERL_NPU_RUN_FAMILIES", "qwen2,qwen3_moe,qwen3_5").split(",")
     kinds = os.environ.get("VERL_NPU_RUN_KINDS", "packed,padded").split(",")

@@ -9,6 +9,7 @@ import happens here (torch_npu 2.13.0 wheel, ``torch_npu/__init__.py`` and ``tor
 - ``torch.npu`` (= ``torch_npu.npu``): device count 1, ``npu:0``, memory statistics, seeds, streams;
 - the ``npu`` op namespace with the wheel's schemas, kernels for ``npu`` tensors ONLY, fake kernels,
   autograd and the documented limits (:mod:`._ops`); ``torch_npu.npu_rms_norm`` etc. as attributes;
+- the ``hccl`` process-group backend for ``npu`` tensors, world size 1 (:mod:`._distributed`);
 - the lazy ``torchair`` module in ``sys.modules`` (:mod:`.dynamo`), over the wheel's torchair with the CANN
   extension modules stubbed, and the ``npu`` Dynamo backend.
 
@@ -58,6 +59,10 @@ def get_storage_size(tensor: torch.Tensor) -> int:
     """Elements of ``tensor``'s storage (torch_npu: of its NPU storage)."""
     return tensor.untyped_storage().nbytes() // tensor.element_size()
 
+
+from . import _distributed  # noqa: E402
+
+_distributed.register()  # the "hccl" process-group backend for npu tensors (one rank)
 
 from . import dynamo  # noqa: E402  (the lazy torchair module and the "npu" Dynamo backend)
 

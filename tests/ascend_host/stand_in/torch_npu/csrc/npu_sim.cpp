@@ -1,7 +1,7 @@
 // The simulated Ascend device: PrivateUse1 tensors in CPU memory (test infrastructure, see ../README).
 // Allocator, device guard, PrivateUse1 hooks, the kernels a backend must provide (empty, copy, views,
-// resize, set_), a boxed CPU fallback for every other aten op, and the ops that fallback cannot reach
-// (convolution_overrideable and its backward, integer histc).
+// resize, set_), a boxed CPU fallback for every other aten op, the ops that fallback cannot reach
+// (convolution_overrideable and its backward, integer histc), and torch_npu's _has_compatible_shallow_copy_type.
 #include <torch/extension.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
@@ -203,6 +203,20 @@ at::Tensor npu_histc(const at::Tensor& self, int64_t bins, const at::Scalar& min
   return to_npu(out);
 }
 
+// `param.data = npu_tensor` (FSDP2's fully_shard, Module.to) asks aten::_has_compatible_shallow_copy_type, whose
+// default (c10's TensorImpl::has_compatible_shallow_copy_type) counts only CPU/CUDA/MPS/HIP/XPU/HPU as dense, so a
+// CPU parameter could not take npu data. torch_npu registers its own kernel (libtorch_npu.so of the 2.13.0 wheel:
+// at_npu::native::_has_compatible_shallow_copy_type): equal key sets, or both dense on CPU or PrivateUse1.
+bool npu_has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
+  auto is_dense = [](c10::DispatchKeySet ks) {
+    constexpr auto dense_backends =
+        c10::DispatchKeySet({c10::BackendComponent::CPUBit, c10::BackendComponent::PrivateUse1Bit});
+    return ks.has_any(c10::DispatchKeySet(c10::DispatchKey::Dense)) && ks.has_any(dense_backends);
+  };
+  const auto self_ks = self.key_set(), from_ks = from.key_set();
+  return self_ks == from_ks || (is_dense(self_ks) && is_dense(from_ks));
+}
+
 // Every other aten op: run the CPU kernel on copies and copy results back (torch's cpu_fallback), after
 // the check a device makes: tensors of one op on one device (0-dim CPU tensors are scalars: allowed).
 void npu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
@@ -248,6 +262,12 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("convolution_overrideable", npu_convolution);
   m.impl("convolution_backward_overrideable", npu_convolution_backward);
   m.impl("histc", npu_histc);
+  m.impl("_has_compatible_shallow_copy_type", npu_has_compatible_shallow_copy_type);
+}
+
+// the same kernel for the autograd key (a bool: nothing to differentiate), so the query skips the autograd fallback
+TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse1, m) {
+  m.impl("_has_compatible_shallow_copy_type", npu_has_compatible_shallow_copy_type);
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {

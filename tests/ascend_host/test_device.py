@@ -198,8 +198,8 @@ def test_hccl_process_group_is_one_rank(npu, tmp_path):
         dist.broadcast(t, 0)
         dist.all_reduce(t)
         gathered, scattered = torch.empty(4, device=npu), torch.empty(4, device=npu)
-        dist.all_gather_into_tensor(gathered, t * 2)
-        dist.reduce_scatter_tensor(scattered, t * 3)
+        dist.all_gather_single(gathered, t * 2)
+        dist.reduce_scatter_single(scattered, t * 3)
         assert [x.cpu().tolist() for x in (t, gathered, scattered)] == [[0, 1, 2, 3], [0, 2, 4, 6], [0, 3, 6, 9]]
         assert dist.get_backend() == "cpu:gloo,npu:hccl"
     finally:

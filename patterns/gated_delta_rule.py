@@ -33,8 +33,11 @@ Packed rows: the op gets the row's offsets wherever the caller has them (verl's 
 ``cu_seq_lens_q``, FLA's ``cu_seqlens``, or the sequence ends ``maybe_compile``'s pre-hook proves from
 ``position_ids``) and runs each sequence from a zero state, as if alone (FLA's semantics), also where eager
 transformers / verl do not (see :mod:`qwen_npu_compile.integrations.deltanet`). A whole-model
-``torch.compile`` of a row packed only by ``position_ids`` still runs the DeltaNet over the row as one sequence,
-as eager does (the op gets no offsets there).
+``torch.compile`` of a row packed only by ``position_ids`` reaches this pass with op calls without offsets
+(the decoder layer hands ``position_ids`` to attention only): where the graph holds attention's packing proof,
+:mod:`.gated_delta_rule_packed` gives them the proof's sequence ends and makes their causal conv restart per
+sequence, before they are counted (same count); refused, with the reason recorded, where the DeltaNet is not
+recognised exactly.
 
 Numerics: the op's CPU kernel is the same arithmetic as transformers' reference (equal to the last bit in
 fp32 and bf16); the backward recomputes it with autograd (gradients equal the reference's).
@@ -47,6 +50,8 @@ import torch
 from qwen_npu_compile.fusion import FamilyPass, FusionFamily, count_applied
 from qwen_npu_compile.npu_ops import gated_delta_rule
 
+from . import gated_delta_rule_packed
+
 aten = torch.ops.aten
 
 #: Variant name of a ``qwen_npu.chunk_gated_delta_rule`` that Dynamo's substitution put in the captured graph.
@@ -57,10 +62,14 @@ DELTANET_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_t
 
 
 class GatedDeltaRulePass(FamilyPass):
-    """Counts the substituted ops (no pattern to register), then the near misses of the base pass."""
+    """Gives the ops of a row packed by ``position_ids`` the sequence ends of attention's packing proof
+    (:mod:`.gated_delta_rule_packed`), counts the substituted ops (no pattern to register), then the near misses
+    of the base pass."""
 
     def apply(self, gm: torch.fx.GraphModule, recorder) -> int:
         target = torch.ops.qwen_npu.chunk_gated_delta_rule.default
+        gated_delta_rule_packed.rewrite_packed_rows(
+            gm, lambda node, reason: recorder.refuse(self.family.name, node, reason))
         count = len(gm.graph.find_nodes(op="call_function", target=target))
         count_applied(SUBSTITUTED_VARIANT, count)
         return count + super().apply(gm, recorder)

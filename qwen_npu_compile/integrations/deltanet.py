@@ -13,7 +13,10 @@ as FLA's kernel, transformers <= 5.8.1 + verl and the op's reference compute it.
 (upstream defects; one warning per process names the versions): transformers 5.9-5.10.4 + verl 0.9.1 hand
 ``cu_seqlens`` to the torch fallback, which ignores it (the state leaks into the next sequence); transformers
 5.24's hub wrapper raises ``ValueError`` for ``cu_seq_lens_q`` without FLA, and with FLA runs the conv across
-sequence boundaries; a row packed only by ``position_ids`` reaches transformers' DeltaNet as one sequence.
+sequence boundaries; a row packed only by ``position_ids`` reaches transformers' DeltaNet as one sequence (under
+``maybe_compile`` the pre-hook passes its sequence ends; in a whole-model graph the fuse stage gives the op the
+ends of attention's packing proof and restarts the conv: ``patterns/gated_delta_rule_packed.py``, which warns
+through :func:`warn_eager_differs_for_positions`).
 
 1. **transformers' torch reference** ``torch_chunk_gated_delta_rule`` of ``modeling_qwen3_5``,
    ``modeling_qwen3_5_moe`` and ``modeling_qwen3_next`` (5.10.4 and 4.57.6 bind it to
@@ -311,6 +314,22 @@ def warn_eager_differs(gm: torch.fx.GraphModule) -> None:
                     "from position_ids); %s (an upstream defect). Compiled runs each sequence from a zero state and "
                     "restarts the causal conv per sequence, as if alone", _versions(), behaviour)
         return
+
+
+def warn_eager_differs_for_positions(trace: str) -> None:
+    """The one warning of :func:`warn_eager_differs` (shared: one per process) for a whole-model graph whose row
+    is packed only by ``position_ids`` and whose DeltaNet the fuse stage gave attention's sequence ends
+    (``patterns/gated_delta_rule_packed.py``); ``trace`` is the op node's stack trace (names the modeling file)."""
+    if "eager-differs" in _refused:
+        return
+    _refused.add("eager-differs")
+    module = next((name for name in TRANSFORMERS_MODULES if name.rsplit(".", 1)[-1] + ".py" in trace), None)
+    log.warning("qwen_npu: %s: a row packed by position_ids (restarting per sequence, no cu_seq_lens_q) reaches "
+                "%s's Gated DeltaNet, whose decoder layer passes it no position_ids: eager runs the DeltaNet's conv "
+                "and recurrent state across the sequence boundaries while attention runs per sequence (an upstream "
+                "defect). Compiled runs each sequence from a zero state and restarts the causal conv per sequence, "
+                "as if alone (the sequence ends of attention's packing proof)", _versions(),
+                (module or "transformers").rsplit(".", 1)[-1])
 
 
 # --------------------------------------------------------------------------------------------------

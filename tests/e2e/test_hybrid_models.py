@@ -223,7 +223,8 @@ def test_whole_model_packed_steps_compile_at_most_two_graphs(npu_ops, attn):
 
     A whole Qwen3.5 model over 10 packed rows (position ids restarting per sequence, no mask), a new T and a
     new number of sequences nearly every step: at most 2 graphs (the first shape, then a dynamic one), each with
-    the Gated DeltaNet as 3 ops and exact counts, and every step's loss and gradients equal eager's."""
+    the Gated DeltaNet as 3 ops and exact counts, and every step's loss and gradients equal eager's with each
+    sequence run alone (the DeltaNet per sequence, as attention: ``patterns/gated_delta_rule_packed.py``)."""
     from qwen_npu_compile.integrations.npu_host import simulated_npu_host
 
     host = simulated_npu_host() if attn == "flash_attention_2" else contextlib.nullcontext()
@@ -236,7 +237,11 @@ def test_whole_model_packed_steps_compile_at_most_two_graphs(npu_ops, attn):
             runs = []
             for run in (model, compiled):
                 model.zero_grad()
-                loss = run(input_ids=ids, position_ids=positions, labels=ids).loss
+                if run is model:  # each sequence alone, the row's loss over the concatenated logits
+                    logits = torch.cat([model(input_ids=part).logits for part in ids.split(lengths, dim=1)], dim=1)
+                    loss = model.loss_function(logits, ids, vocab_size=model.config.vocab_size)
+                else:
+                    loss = run(input_ids=ids, position_ids=positions, labels=ids).loss
                 loss.backward()
                 runs.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
             torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-5, atol=1e-5)

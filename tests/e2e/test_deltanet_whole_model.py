@@ -142,3 +142,26 @@ def test_not_packed_is_untouched(npu_ops, rewritten, case):
         total.update(report.fusions)
     assert {family: total[family] for family in expected_fusions(model.config)} == expected_fusions(model.config)
     assert _offsets_of_ops(rewritten) == [case == "positions_not_restarting"] * 3
+
+
+def test_conditional_generation_packed_row_each_sequence_as_alone(npu_ops, rewritten):
+    """``Qwen3_5ForConditionalGeneration`` (what real checkpoints are; text only here, the mrope stack of one row):
+    compiled, each packed sequence's logits equal its run alone, exact counts (no-grad forward)."""
+    import transformers
+
+    from conftest import _TINY_HYBRID
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5Config(
+        text_config=dict(_TINY_HYBRID, intermediate_size=256),
+        vision_config=dict(depth=1, hidden_size=64, num_heads=2, intermediate_size=64, out_hidden_size=128))
+    model = transformers.Qwen3_5ForConditionalGeneration._from_config(config, attn_implementation="sdpa").eval()
+    ids, positions = _row()
+    with torch.no_grad():
+        truth = torch.cat([model(input_ids=piece).logits for piece in ids.split(LENGTHS, dim=1)], dim=1)[0]
+        logits = torch.compile(model, backend="qwen_npu", options={"strict": True})(
+            input_ids=ids, position_ids=positions).logits[0]
+    for got, want in zip(logits.split(LENGTHS), truth.split(LENGTHS)):
+        assert _rel(got, want) <= 1e-5
+    assert SUMMARY.graphs[0].fusions == expected_fusions(config)
+    assert _offsets_of_ops(rewritten) == [True] * 3

@@ -33,7 +33,8 @@ from pathlib import Path
 
 from . import __version__  # no torch
 from .check.model_folder import architecture_problem  # no torch
-from .check.presets import PRESETS, preset_lines, unknown_model_message  # data only: no torch
+from .check.names import preset_lines, unknown_model_message  # no torch
+from .check.presets import PRESETS  # data only
 from .run_report import FAMILY_NAMES  # no torch
 
 # No torch, transformers or pattern import at module level: ``--help``, argument errors and ``report`` need

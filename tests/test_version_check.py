@@ -56,7 +56,11 @@ def test_pyproject_admits_exactly_the_tested_range():
     torch_pins = [d for d in project["project"]["dependencies"] if re.match(r"torch\b", d)]
     npu_pins = project["project"]["optional-dependencies"]["npu"]
     assert torch_pins == [f"torch{TESTED_TORCH}"]
-    assert npu_pins == [f"torch_npu{TESTED_TORCH}"]
+    # torch_npu in the tested range; the Gated DeltaNet's trainable Ascend kernel beside it (FLA's triton-ascend
+    # backend ships from 0.5.2: npu_ops/gated_delta_rule_kernels.py)
+    assert [d for d in npu_pins if re.match(r"torch_npu\b", d)] == [f"torch_npu{TESTED_TORCH}"]
+    assert sorted(d for d in npu_pins if not re.match(r"torch_npu\b", d)) == ["flash-linear-attention>=0.5.2",
+                                                                             "triton-ascend>=3.2.0"]
 
 
 @pytest.mark.stack_compat

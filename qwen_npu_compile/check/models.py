@@ -44,7 +44,8 @@ from .model_types import (  # noqa: F401  (this module's public names)
     _family,
     rms_norms_per_layer,
 )
-from .presets import _ALIASES, _ORG_PREFIXES, PRESETS  # noqa: F401  (PRESETS: this module's public name)
+from .names import normalize_preset_name as _normalize_preset_name
+from .presets import PRESETS  # noqa: F401  (this module's public name)
 
 log = logging.getLogger(__name__)
 
@@ -114,18 +115,6 @@ def preset_names() -> list[str]:
         The keys of :data:`PRESETS` (lower case, e.g. ``"qwen2.5-0.5b"``), sorted.
     """
     return sorted(PRESETS)
-
-
-def _normalize_preset_name(model: str) -> str:
-    """Lower-cases ``model`` and drops an optional ``Qwen/`` prefix.
-
-    ``"Qwen/Qwen2.5-0.5B"`` → ``"qwen2.5-0.5b"``.
-    """
-    name = model.strip().lower()
-    for prefix in _ORG_PREFIXES:
-        if name.startswith(prefix):
-            name = name[len(prefix) :]
-    return _ALIASES.get(name, name)
 
 
 def _presets_text() -> str:

@@ -189,7 +189,8 @@ def test_check_passes_on_a_qwen3_5_preset_with_exact_counts(npu_ops, tmp_path, c
     assert fusions == {"gated_delta_rule": 3, "rms_norm_gated": 3, "rms_norm": 11, "moe": 0, "swiglu": 4, "rotary": 2, "attention": 1}
     assert fusions == expected_fusions(models.with_layers(models.resolve_model_config("qwen3.5-0.8b"), 4))
     assert result["backward_ops"] == {"npu_fusion_attention_grad": 1, "npu_rms_norm_backward": 14,
-                                      "npu_rotary_mul_backward": 2, "npu_swiglu_backward": 7}
+                                      "npu_rotary_mul_backward": 2, "npu_swiglu_backward": 7,
+                                      "qwen_npu.chunk_gated_delta_rule_backward": 3}
     assert result["model"]["config"]["model_type"] == "qwen3_5_text" and result["verdict"] == "PASS"
     assert re.search(r"^  rms_norm_gated +3 +3  ok$", printed, re.MULTILINE), printed
     assert re.search(r"^  gated_delta_rule +3 +3  ok$", printed, re.MULTILINE), printed

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import types
 
+import unittest.mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -175,7 +177,10 @@ def _rewrite_with(model_or_fn, args, kwargs, status, downstream):
         seen["report"], seen["gm"] = backend.rewrite(gm, example_inputs, config, status, downstream)
         return seen["gm"].forward
 
-    out = torch.compile(model_or_fn, backend=capture)(*args, **kwargs)
+    # a status that pretends torch_npu is real would have the backend refuse these CPU tensors (an Ascend host's
+    # ops take npu tensors only): the rewrite is what is tested here, as if the tensors were on the NPU
+    with unittest.mock.patch.object(backend, "_all_on_cpu", lambda _inputs: False):
+        out = torch.compile(model_or_fn, backend=capture)(*args, **kwargs)
     return seen["report"], seen["gm"], out
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention_contract import COMPRESSED_MASK_MODES, NO_BAND, _cpu_compressed_causal_mask
+from .attention_contract import COMPRESSED_MASK_MODES, NO_BAND, compressed_mask_shift
 
 #: Query rows per tile.
 BLOCK_Q = 512
@@ -78,13 +78,7 @@ class Masking:
         if atten_mask is None:
             return
         if sparse_mode in COMPRESSED_MASK_MODES:
-            expected = _cpu_compressed_causal_mask().to(atten_mask.device)
-            if not torch.equal(atten_mask.bool(), expected):
-                raise RuntimeError(
-                    f"npu_fusion_attention: sparse_mode={sparse_mode} needs the compressed causal mask "
-                    "torch.triu(torch.ones(2048, 2048), diagonal=1).bool(); got another 2048x2048 mask"
-                )
-            self.next = 0 if sparse_mode == 2 else skv - sq
+            self.next = compressed_mask_shift(atten_mask, sparse_mode, sq, skv)
             if self.next == 0:  # mode 2, or mode 3 with Sq == Skv (no row is fully masked)
                 self.flash_causal = True
             return

@@ -214,6 +214,22 @@ def _cpu_compressed_causal_mask() -> torch.Tensor:
     return compressed_causal_mask("cpu")
 
 
+def compressed_mask_shift(atten_mask: torch.Tensor, sparse_mode: int, sq: int, skv: int) -> int:
+    """For ``sparse_mode`` 2 / 3 (:data:`COMPRESSED_MASK_MODES`): the causal shift ``s`` (key ``j`` masked for
+    query ``i`` when ``j > i + s``): 0 for mode 2 (left-up), ``Skv - Sq`` for mode 3 (right-down).
+
+    Raises:
+        RuntimeError: ``atten_mask`` is not the compressed 2048x2048 causal mask these modes require (torch_npu
+            2.13.0 npu_fusion_attention docs), as the real op fails.
+    """
+    if not torch.equal(atten_mask.bool(), _cpu_compressed_causal_mask().to(atten_mask.device)):
+        raise RuntimeError(
+            f"npu_fusion_attention: sparse_mode={sparse_mode} needs the compressed causal mask "
+            "torch.triu(torch.ones(2048, 2048), diagonal=1).bool(); got another 2048x2048 mask"
+        )
+    return 0 if sparse_mode == 2 else skv - sq
+
+
 def _probabilities(q, k, pse, masked, scale, group):
     """fp32 [B, Nq, Sq, Skv] softmax probabilities (0 on fully masked rows), row max and row sum."""
     k = k.repeat_interleave(group, dim=1) if group > 1 else k

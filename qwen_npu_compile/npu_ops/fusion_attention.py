@@ -78,6 +78,7 @@ from .attention_contract import (  # noqa: F401 (the contract's names are public
     SUPPORTED_INNER_PRECISE,
     SUPPORTED_SPARSE_MODES,
     _cpu_compressed_causal_mask,
+    compressed_mask_shift,
     _holds,
     _mask_shape_violation,
     _probabilities,
@@ -295,13 +296,7 @@ def _masked_positions(atten_mask, sparse_mode, pre_tockens, next_tockens, sq, sk
     i = torch.arange(sq, device=device).unsqueeze(-1)
     j = torch.arange(skv, device=device)
     if sparse_mode in COMPRESSED_MASK_MODES:
-        expected = _cpu_compressed_causal_mask().to(atten_mask.device)
-        if not torch.equal(atten_mask.bool(), expected):
-            raise RuntimeError(
-                f"npu_fusion_attention: sparse_mode={sparse_mode} needs the compressed causal mask "
-                "torch.triu(torch.ones(2048, 2048), diagonal=1).bool(); got another 2048x2048 mask"
-            )
-        shift = 0 if sparse_mode == 2 else skv - sq
+        shift = compressed_mask_shift(atten_mask, sparse_mode, sq, skv)
         return j > i + shift
     masked = atten_mask.bool()
     if pre_tockens < NO_BAND or next_tockens < NO_BAND:

@@ -7,8 +7,9 @@ per call and says why:
 kernel              used for                                               contract (checked here)
 ==================  =====================================================  ===========================================
 ``fla``             training (forward and backward) and no-grad forwards,  :func:`fla_unavailable` (FLA >= 0.5.2
-                    where FLA is importable and inside its contract        importable, its triton-ascend backend
-                                                                           active) and :func:`fla_violation`
+                    where FLA is importable and inside its contract        importable, its entry taking the keywords
+                                                                           passed, its triton-ascend backend active)
+                                                                           and :func:`fla_violation`
 ``torch_npu``       no-grad forwards only (torch_npu's op is               :func:`npu_forward_violation` (the whole
                     inference-only), where FLA is not the kernel           documented contract)
 ``reference``       everything else (the op's ATen reference, fp32,        none (the op's own :func:`violation`)
@@ -22,10 +23,12 @@ forward under autograd through FLA's public entry and takes ``torch.autograd.gra
 is not). Where FLA cannot be used, one WARNING per process names what to install (:data:`FLA_INSTALL`); outside
 a contract, one INFO line per distinct reason says why the reference (or FLA instead of torch_npu) runs.
 
-Sources: FLA 0.5.2 (``fla-core`` wheel): ``fla/ops/gated_delta_rule/chunk.py`` ``chunk_gated_delta_rule`` (entry,
-``[B, T, H, K]``, ``cu_seqlens`` LongTensor ``[N + 1]`` with ``B == 1``), ``fla/ops/common/chunk_delta_h.py``
-(``K <= 256``), ``fla/ops/gated_delta_rule/backends/triton_ascend`` (dtypes fp32/fp16/bf16, NPU tensors,
-``fla.utils.IS_NPU``: triton's active driver is triton-ascend's). torch_npu 2.13.0 / 2.14.0 ``_op_plugin_docs.py``
+Sources: FLA 0.5.2 and 0.6.0 (the ``fla-core`` wheels; every limit below is the same in both):
+``fla/ops/gated_delta_rule/chunk.py`` ``chunk_gated_delta_rule`` (entry, ``[B, T, H, K]``, ``cu_seqlens`` LongTensor
+``[N + 1]`` with ``B == 1``; 0.6.0 adds the keyword ``chunk_indices``, not passed here: :func:`fla_arguments`),
+``fla/ops/common/chunk_delta_h.py`` (``K <= 256``), ``fla/ops/gated_delta_rule/backends/triton_ascend`` (dtypes
+fp32/fp16/bf16, NPU tensors), ``fla.utils.IS_NPU`` (0.5.2 ``fla/utils/_device.py``, 0.6.0 ``fla/utils/hardware.py``:
+triton's active driver is triton-ascend's). torch_npu 2.13.0 / 2.14.0 ``_op_plugin_docs.py``
 ``npu_chunk_gated_delta_rule`` (the same text in both).
 """
 
@@ -34,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import inspect
 import logging
 
 import torch
@@ -52,18 +56,32 @@ L2NORM_EPS = 1e-6
 #: The first FLA release with a triton-ascend Gated DeltaNet backend (FLA PR #1011, 0.5.2).
 FLA_MIN_VERSION = (0, 5, 2)
 
-#: What to install on an Ascend host for a trainable kernel (the ``[npu]`` extra of pyproject.toml). Not
-#: ``flash-linear-attention[npu]``: fla-core 0.5.2's ``npu`` extra pins torch 2.7.1 and torch_npu 2.7.1.post4.
-FLA_INSTALL = 'pip install "flash-linear-attention>=0.5.2" "triton-ascend>=3.2.0" (or qwen_npu_compile[npu])'
+#: The FLA releases this binding was read against and tested with (stand-in signatures, the op against 0.6.0's
+#: ``naive_recurrent_gated_delta_rule``): 0.5.2 and 0.6.0. A later release is used where :func:`fla_unavailable`
+#: finds its entry still taking :data:`FLA_KEYWORDS`; the install hint and the ``[npu]`` extra stay below 0.7.
+FLA_VERSIONS = ">=0.5.2,<0.7"
 
-#: FLA's public entry (0.5.2 ``fla/ops/gated_delta_rule/__init__.py``).
+#: What to install on an Ascend host for a trainable kernel (the ``[npu]`` extra of pyproject.toml): ``fla-core``,
+#: the package of FLA's kernels (``fla.ops``; it requires only ``einops``), not ``flash-linear-attention``, whose
+#: 0.6.0 requires ``transformers>=5.6.2,<6`` (it would replace a transformers 4.57.x), and not ``fla-core[npu]`` /
+#: ``flash-linear-attention[npu]``, which pin torch (0.5.2: 2.7.1 with torch_npu 2.7.1.post4; 0.6.0: 2.10.0 with
+#: torch_npu 2.10.0.post7 and triton-ascend 3.6.0). Read from the wheels' metadata.
+FLA_INSTALL = (f'pip install "fla-core{FLA_VERSIONS}" "triton-ascend>=3.2.0" (flash-linear-attention{FLA_VERSIONS}\'s '
+               'kernels without its transformers requirement; or qwen_npu_compile[npu])')
+
+#: FLA's public entry (0.5.2 and 0.6.0 ``fla/ops/gated_delta_rule/__init__.py``).
 FLA_MODULE, FLA_FUNCTION = "fla.ops.gated_delta_rule", "chunk_gated_delta_rule"
 
-#: Largest head dim FLA's state kernels take (0.5.2 ``fla/ops/common/chunk_delta_h.py``: ``assert K <= 256``).
+#: The keywords :func:`fla_arguments` passes; 0.5.2's and 0.6.0's entry both take them (``chunk.py``).
+FLA_KEYWORDS = ("scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel", "cu_seqlens",
+                "cu_seqlens_cpu")
+
+#: Largest head dim FLA's state kernels take (0.5.2 and 0.6.0 ``fla/ops/common/chunk_delta_h.py``:
+#: ``assert K <= 256``).
 FLA_MAX_HEAD_DIM = 256
 
-#: Dtypes of q/k/v/beta FLA's triton-ascend backend takes (0.5.2 ``backends/triton_ascend``
-#: ``recompute_w_u_fwd_verifier``).
+#: Dtypes of q/k/v/beta FLA's triton-ascend backend takes (0.5.2 and 0.6.0 ``fla/ops/gated_delta_rule/backends/
+#: triton_ascend/__init__.py`` ``recompute_w_u_fwd_verifier``).
 FLA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -96,7 +114,19 @@ def _fla_probe() -> tuple[object | None, str | None]:
         return None, f"fla.utils.IS_NPU could not be read ({type(exc).__name__}: {exc})"
     if not on_npu:
         return None, "FLA's triton backend is not Ascend's (fla.utils.IS_NPU is False: triton-ascend not active)"
-    return getattr(module, FLA_FUNCTION), None
+    entry = getattr(module, FLA_FUNCTION, None)
+    if entry is None:
+        return None, f"flash-linear-attention {version} has no {FLA_MODULE}.{FLA_FUNCTION}"
+    try:
+        parameters = inspect.signature(entry).parameters  # follows torch.compiler.disable's __wrapped__
+    except (TypeError, ValueError):  # no signature to read: the call itself will say
+        return entry, None
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    missing = [name for name in FLA_KEYWORDS if name not in parameters]
+    if missing and not takes_any:
+        return None, (f"flash-linear-attention {version}'s {FLA_FUNCTION} takes no {', '.join(missing)} "
+                      f"(this package passes 0.5.2's / 0.6.0's keywords; install {FLA_VERSIONS})")
+    return entry, None
 
 
 def fla_entry():
@@ -107,7 +137,8 @@ def fla_entry():
 
 def fla_unavailable() -> str | None:
     """Why FLA cannot be the kernel in this process (None when it can): not importable, older than
-    :data:`FLA_MIN_VERSION`, or its triton backend not triton-ascend's (``fla.utils.IS_NPU``)."""
+    :data:`FLA_MIN_VERSION`, its triton backend not triton-ascend's (``fla.utils.IS_NPU``), or its entry not taking
+    :data:`FLA_KEYWORDS` (a release after 0.6.0 that renamed them)."""
     return _fla_probe()[1]
 
 
@@ -115,7 +146,7 @@ def fla_violation(query, key, value, g, beta, cu_seqlens=None, initial_state=Non
     """Why FLA's ``chunk_gated_delta_rule`` cannot take these operands of the op (None when it can).
 
     The op's own contract (:func:`.gated_delta_rule.violation`) is assumed: ``[B, T, H, D]`` operands with GQA
-    expanded, ``cu_seqlens`` only with ``B == 1``. FLA 0.5.2 adds: q/k/v/beta in fp32/fp16/bf16, q/k/v one dtype,
+    expanded, ``cu_seqlens`` only with ``B == 1``. FLA 0.5.2 and 0.6.0 add: q/k/v/beta in fp32/fp16/bf16, q/k/v one dtype,
     ``Dk <= 256`` (``chunk_delta_h.py``), every tensor on one NPU device, ``cu_seqlens`` ending at ``T`` (reads
     its last value).
     """
@@ -136,11 +167,16 @@ def fla_violation(query, key, value, g, beta, cu_seqlens=None, initial_state=Non
 
 
 def fla_arguments(query, key, value, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm) -> tuple[tuple, dict]:
-    """The op's operands as FLA 0.5.2's ``chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state,
-    output_final_state, use_qk_l2norm_in_kernel, ..., cu_seqlens, cu_seqlens_cpu)`` takes them: the same
-    ``[B, T, H, K]`` layout, ``g`` fp32 log decay, ``initial_state [N, H, Dk, Dv]`` fp32 (key-first,
-    ``state_v_first=False``), ``cu_seqlens`` int64 on the device with its CPU copy (no device sync for FLA's chunk
-    indices)."""
+    """The op's operands as FLA's ``chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state,
+    output_final_state, use_qk_l2norm_in_kernel, ..., cu_seqlens, cu_seqlens_cpu)`` takes them, the same keywords
+    for 0.5.2 and 0.6.0 (:data:`FLA_KEYWORDS`): the same ``[B, T, H, K]`` layout (q/k/v of the query's dtype), ``g``
+    ``[B, T, H]`` fp32 log decay, ``beta`` ``[B, T, H]``, ``initial_state [N, H, Dk, Dv]`` fp32 (key-first,
+    ``state_v_first=False``), ``cu_seqlens`` int64 ``[N + 1]`` on the device with its CPU copy.
+
+    0.6.0's ``chunk_indices`` (``[NT, 2]`` rows ``[sequence, chunk]``, used instead of ``prepare_chunk_indices``) is
+    not passed: FLA builds the same rows from the CPU copy given here (``prepare_chunk_indices(cu_seqlens, 64,
+    cu_seqlens_cpu=...)`` on the host), and rows built here would tie the op to FLA's internal chunk size and row
+    layout, which FLA's kernels trust without a check (wrong rows give wrong results, not an error)."""
     kwargs = dict(scale=scale, initial_state=None if initial_state is None else initial_state.float(),
                   output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm)
     if cu_seqlens is not None:

@@ -125,7 +125,7 @@ def _fla_probe() -> tuple[object | None, str | None]:
     missing = [name for name in FLA_KEYWORDS if name not in parameters]
     if missing and not takes_any:
         return None, (f"flash-linear-attention {version}'s {FLA_FUNCTION} takes no {', '.join(missing)} "
-                      f"(this package passes 0.5.2's / 0.6.0's keywords; install {FLA_VERSIONS})")
+                      f"(this package passes 0.5.2's / 0.6.0's keywords: install fla-core{FLA_VERSIONS})")
     return entry, None
 
 

@@ -20,8 +20,15 @@ The hook (checked against verl 0.9.1, also present in 0.7.1 and 0.8.0):
   ``gradient_checkpointing_enable``; then LoRA and QAT) and it wraps that model with FSDP1 or
   FSDP2. The method is replaced on the class by one that calls ``maybe_compile(module)`` and then the
   original; the LM-head (actor, reference) and value-head (critic) engines inherit it. Engine classes
-  that override it without calling it (verl 0.9.1: ``FSDPTurboEngineWithLMHead``, strategy
-  ``fsdp_turbo``) are refused loudly when they build a model.
+  that override it without calling it are refused loudly when they build a model, except verl 0.9.1's
+  ``FSDPTurboEngineWithLMHead`` (strategy ``fsdp_turbo``).
+* **FSDP-Turbo engine** -- ``verl.workers.engine.fsdp.fsdp_turbo_impl.FSDPTurboEngineWithLMHead._build_fsdp_module``
+  (verl 0.9.1) takes the state dict, wraps with ``FSDPTurbo(config, module).model`` (which may also replace
+  Hugging Face forwards: FSDP-Turbo's model patches) and loads the state dict back. Its replacement runs it
+  first, then compiles the decoder layers of the wrapped model in place, so that what is compiled is what
+  FSDP-Turbo left. Where that would not be safe (a replaced forward of a decoder layer, of its attention or of
+  the base model: each receives the packed-row arguments the compiled layers rely on; sequence parallelism; a
+  model without the layers it had), the layers stay uncompiled, with one warning saying why and what to do.
 * **Legacy workers** (verl <= 0.7: ``verl/workers/fsdp_workers.py``, which 0.8.0 and 0.9.1 no longer
   ship) -- the module-level name ``get_fsdp_wrap_policy`` that ``ActorRolloutRefWorker._build_model_optimizer``
   and ``CriticWorker._build_critic_model_optimizer`` call with the complete model right before
@@ -45,6 +52,8 @@ Loud failures, all raised where verl imports or calls the hooked code:
   expected parameters; the message names the verl version and the missing function.
 * ``ValueError`` -- the engine is configured with FSDP1 and ``use_orig_params=False`` (verl's
   default; a compiled layer cannot use a FlatParameter), naming the verl settings to change.
+
+The FSDP-Turbo engine never raises for what FSDP-Turbo did to the model: it warns and trains uncompiled.
 """
 
 from __future__ import annotations
@@ -59,8 +68,11 @@ import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from torch import nn
+
 from .. import torch_compiler
 from . import verl_npu_patch
+from .layers import clean_name, find_decoder_layers
 from .worker import _FSDP1_FIX, ENV_COMPILE, compile_requested, maybe_compile
 
 log = logging.getLogger("qwen_npu_compile")
@@ -73,6 +85,9 @@ ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 ENGINE_CLASS = "FSDPEngine"
 ENGINE_METHOD = "_build_fsdp_module"
 ENGINE_PARAMETERS = ("self", "module")
+#: verl 0.9.1's FSDP-Turbo engine (strategy ``fsdp_turbo``): its own FSDP step, compiled after it.
+TURBO_MODULE = "verl.workers.engine.fsdp.fsdp_turbo_impl"
+TURBO_CLASS = "FSDPTurboEngineWithLMHead"
 #: The legacy FSDP workers (verl <= 0.7).
 LEGACY_MODULE = "verl.workers.fsdp_workers"
 LEGACY_FUNCTION = "get_fsdp_wrap_policy"
@@ -131,19 +146,25 @@ def _error(what: str) -> VerlHookError:
 # the compile step both hooks run
 
 
-def _compile_before_wrap(module, where: str) -> None:
+def _compile_before_wrap(module, where: str, when: str = "before FSDP wrapping", note: str = "",
+                         model_name: str | None = None) -> None:
     """``maybe_compile(module)`` (torch's own ``torch.compile``, even under MindSpeed's patch), and two lines.
 
-    At build: how many decoder layers were set to compile (no graph exists yet). At the first forward,
-    once every layer has been called: how many of them produced ``qwen_npu`` graphs, with the cause when
-    not all did. Both at WARNING: verl runs its processes at WARNING (``verl/__init__.py``: ``set_basic_config``).
+    At build: how many decoder layers of ``model_name`` (default: the module's class) were set to compile (no
+    graph exists yet), ``when``, then ``note``. At
+    the first forward, once every layer has been called: how many of them produced ``qwen_npu`` graphs, with
+    the cause when not all did. Both at WARNING: verl runs its processes at WARNING (``verl/__init__.py``:
+    ``set_basic_config``).
     """
     compiled = maybe_compile(module)
+    model_name = model_name or type(module).__name__
     if compiled:
+        if compiled.compiler is not None:  # (wrapped by FSDP2 already: its class is FSDP<model>)
+            compiled.compiler.model_name = model_name
         replaced = torch_compiler.replaced_by()
-        log.warning("qwen_npu: verl %s: %s set %d decoder layer(s) of %s to compile before FSDP wrapping "
-                    "(graphs at the first forward)%s", verl_version(), where, len(compiled), type(module).__name__,
-                    f"; torch.compile is {replaced}, compiled with torch's own" if replaced else "")
+        log.warning("qwen_npu: verl %s: %s set %d decoder layer(s) of %s to compile %s "
+                    "(graphs at the first forward)%s%s", verl_version(), where, len(compiled), model_name,
+                    when, f"; torch.compile is {replaced}, compiled with torch's own" if replaced else "", note)
         compiled.announce_first_pass(logging.WARNING, f"verl {verl_version()}: {where} ")
 
 
@@ -218,6 +239,152 @@ def _refusing_build_fsdp_module(original: Callable, owner: type) -> Callable:
     return _build_fsdp_module
 
 
+# --------------------------------------------------------------------------------------------------
+# verl 0.9.1's FSDP-Turbo engine: compile what FSDPTurbo(config, module).model left, or warn why not
+
+
+def _forward_function(module: nn.Module):
+    """The function ``module.forward`` runs: an instance attribute's (bound method: its function), else the class's."""
+    own = module.__dict__.get("forward")
+    if own is not None:
+        return getattr(own, "__func__", own)
+    return getattr(type(module), "forward", None)
+
+
+def _forwards(model: nn.Module) -> dict[str, tuple[nn.Module, type, object]]:
+    """Qualified name -> (module, its class now, the function its forward runs), for every module of ``model``."""
+    return {name: (sub, type(sub), _forward_function(sub)) for name, sub in model.named_modules()}
+
+
+def _dotted(value) -> str:
+    module = getattr(value, "__module__", None)
+    name = getattr(value, "__qualname__", None) or getattr(value, "__name__", None) or repr(value)
+    return f"{module}.{name}" if module else name
+
+
+def _takes_layer_arguments(function) -> bool:
+    """Whether a forward receives what a decoder layer is called with (``attention_mask``, or ``**kwargs``, which
+    carries the packed rows' offsets), as attention does; an MLP's or a norm's ``forward(x)`` does not."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == "attention_mask" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def _turbo_changes(before: dict, wrapped: nn.Module, layers: list[str]) -> tuple[list[str], list[str]]:
+    """What ``FSDPTurbo`` changed in the modules that run inside or around the decoder layers.
+
+    Args:
+        before: :func:`_forwards` of the model before ``FSDPTurbo`` saw it.
+        wrapped: ``FSDPTurbo(config, module).model``.
+        layers: the decoder layers' qualified names before.
+
+    Returns:
+        ``(unsafe, inside)``, each a list of "what was replaced by what (module names)": ``unsafe``, the
+        changes to a decoder layer, to a module inside one that takes the layer's arguments (attention), to a
+        module between the root and the layers (the base model, whose packed-row pre-hook passes those
+        arguments), or a layer missing or replaced; ``inside``, forwards replaced inside a layer that take
+        tensors only (an MLP, a norm), which a compiled layer traces as replaced. The root's and other
+        modules' changes (embedding, LM head) are neither.
+    """
+    after = dict(wrapped.named_modules())
+    ancestors = {".".join(name.split(".")[:cut]) for name in layers for cut in range(1, name.count(".") + 1)}
+    unsafe: dict[str, list[str]] = {}
+    inside: dict[str, list[str]] = {}
+    for name, (module, cls, function) in before.items():
+        now = after.get(name)
+        if now is module and _forward_function(now) is function:
+            continue
+        if now is None:
+            change = f"the {cls.__name__} module by nothing"
+        elif now is not module:
+            change = f"the {cls.__name__} module by a {type(now).__name__}"
+        else:
+            change = f"{_dotted(cls)}.forward by {_dotted(_forward_function(now))}"
+        in_layer = any(name.startswith(layer + ".") for layer in layers)
+        if name in layers or name in ancestors or (in_layer and (now is not module or _takes_layer_arguments(function))):
+            unsafe.setdefault(change, []).append(name)
+        elif in_layer:
+            inside.setdefault(change, []).append(name)
+    describe = lambda found: [f"{change} ({', '.join(names[:2])}{', ...' if len(names) > 2 else ''})"  # noqa: E731
+                              for change, names in found.items()]
+    return describe(unsafe), describe(inside)
+
+
+def _turbo_sequence_parallel(engine) -> int:
+    """The engine's sequence-parallel size: FSDP-Turbo's context parallelism sets verl's Ulysses fields."""
+    size = getattr(engine, "ulysses_sequence_parallel_size", 1) or 1
+    return max(int(size), 2 if getattr(engine, "use_ulysses_sp", False) else 1)
+
+
+def _turbo_build_fsdp_module(original: Callable, owner: type) -> Callable:
+    """``FSDPTurboEngineWithLMHead._build_fsdp_module``, then the decoder layers of its result compiled in place.
+
+    Compiling after ``FSDPTurbo`` (rather than before, as for ``FSDPEngine``) means the compiled layers are the
+    ones in the wrapped model, after verl reloaded the state dict into it, and that any forward FSDP-Turbo
+    replaced is known before anything is compiled or installed. A compiled layer calls ``self.forward`` at its
+    first call, so a replaced forward is what it traces. That is kept where it is safe: a replaced forward
+    inside a layer that takes tensors only (an MLP, a norm) is traced as it is, its ops fused only where they
+    keep transformers' form (the graph reports count fused ops of its own as already fused). It is refused where
+    a replaced forward receives the layer's arguments (the decoder layer, its attention, the base model): the
+    packed-row pre-hook passes attention the sequences' offsets as a keyword and no mask, which such a forward
+    may drop, making attention run across the packed sequences. Refused also: sequence parallelism (FSDP-Turbo
+    splits sequences in its own patched forwards) and a wrapped model whose layers cannot be found. A refusal
+    is one WARNING at the build; the engine then trains uncompiled, exactly as with ``QWEN_NPU_COMPILE`` unset.
+    """
+
+    @functools.wraps(original)
+    def _build_fsdp_module(self, module):
+        if not compile_requested():
+            return original(self, module)
+        where = f"{type(self).__name__}.{ENGINE_METHOD}:"
+        model_name = type(module).__name__  # (FSDP2 renames the class in place: FSDP<model>)
+        refusal, layers, before = None, [], {}
+        sp = _turbo_sequence_parallel(self)
+        if sp > 1:
+            refusal = (f"sequence parallelism of size {sp} (FSDP-Turbo's ulysses_parallel_size or verl's "
+                       "ulysses_sequence_parallel_size) splits sequences in FSDP-Turbo's own forwards, which "
+                       "qwen_npu_compile does not hook")
+        else:
+            try:
+                layers = [clean_name(name) for name, _ in find_decoder_layers(module)]
+            except ValueError as exc:
+                refusal = f"no decoder layers found in {type(module).__name__} ({exc})"
+            before = _forwards(module)
+        wrapped = original(self, module)
+        inside: list[str] = []
+        if refusal is None and not isinstance(wrapped, nn.Module):
+            refusal = f"FSDPTurbo(...).model is a {type(wrapped).__name__}, not a torch module"
+        elif refusal is None:
+            unsafe, inside = _turbo_changes(before, wrapped, layers)
+            if unsafe:
+                refusal = (f"FSDP-Turbo replaced {'; '.join(unsafe)}, which receive(s) the decoder layers' "
+                           "arguments: the compiled layers pass attention the packed sequences' offsets as a "
+                           "keyword and no mask, which a replaced forward may drop (attention across sequences)")
+        if refusal is not None:
+            log.warning("qwen_npu: verl %s: %s %s=1, but the decoder layers of %s are left uncompiled: %s. It "
+                        "trains as with %s unset. To compile them, drop that from FSDP-Turbo's configuration "
+                        "(turbo_config), or use actor_rollout_ref.actor.strategy=fsdp2; or unset %s to silence this",
+                        verl_version(), where, ENV_COMPILE, model_name, refusal, ENV_COMPILE,
+                        ENV_COMPILE)
+            return wrapped
+        note = ""
+        if inside:
+            note = (f"; FSDP-Turbo replaced {'; '.join(inside)} inside them: the layers compile the replacement, "
+                    "fused by qwen_npu only where it keeps transformers' form (fused ops of its own count as "
+                    "already fused in the graph reports)")
+        _compile_before_wrap(wrapped, where, when="after FSDP-Turbo wrapped them", note=note, model_name=model_name)
+        return wrapped
+
+    setattr(_build_fsdp_module, _MARK, True)
+    return _build_fsdp_module
+
+
+def _is_turbo_engine(cls: type) -> bool:
+    return cls.__name__ == TURBO_CLASS and cls.__module__ == TURBO_MODULE
+
+
 def _subclasses(cls: type) -> list[type]:
     found, todo = [], list(cls.__subclasses__())
     while todo:
@@ -232,8 +399,9 @@ def patch_engine(module) -> bool:
     """Hook ``FSDPEngine._build_fsdp_module`` in verl's ``transformer_impl`` module (idempotent).
 
     Also replaces the override of every ``FSDPEngine`` subclass defined so far that has its own
-    ``_build_fsdp_module`` (verl 0.9.1: ``FSDPTurboEngineWithLMHead``) by one that refuses with
-    ``QWEN_NPU_COMPILE=1``.
+    ``_build_fsdp_module``: verl 0.9.1's ``FSDPTurboEngineWithLMHead`` (in ``fsdp_turbo_impl``) by one that
+    compiles the layers FSDP-Turbo wrapped or warns why not (:func:`_turbo_build_fsdp_module`), any other by one
+    that refuses with ``QWEN_NPU_COMPILE=1``.
 
     Args:
         module: ``verl.workers.engine.fsdp.transformer_impl`` (or a stand-in with an ``FSDPEngine`` class).
@@ -259,7 +427,10 @@ def patch_engine(module) -> bool:
     for sub in _subclasses(engine):
         override = sub.__dict__.get(ENGINE_METHOD)
         if callable(override) and not getattr(override, _MARK, False):
-            setattr(sub, ENGINE_METHOD, _refusing_build_fsdp_module(override, sub))
+            if _is_turbo_engine(sub) and _signature_problem(override) is None:
+                setattr(sub, ENGINE_METHOD, _turbo_build_fsdp_module(override, sub))
+            else:
+                setattr(sub, ENGINE_METHOD, _refusing_build_fsdp_module(override, sub))
     if hooked:
         log.info("qwen_npu: hooked verl %s %s.%s.%s", verl_version(), ENGINE_MODULE, ENGINE_CLASS, ENGINE_METHOD)
     return hooked

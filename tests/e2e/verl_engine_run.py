@@ -7,7 +7,10 @@ when verl is imported::
 
 ``SCENARIOS.json`` maps a name to ``strategy`` (``fsdp2``/``fsdp``), ``use_orig_params``,
 ``param_dtype`` (``fp32``/``bf16``: FSDP mixed precision, and verl's autocast dtype),
-``gradient_checkpointing`` and ``forward_only`` (a reference model's engine). Each scenario builds a ``FSDPEngineWithLMHead`` from a tiny Qwen2 saved
+``gradient_checkpointing`` and ``forward_only`` (a reference model's engine); ``strategy`` ``fsdp_turbo`` builds
+verl's ``FSDPTurboEngineWithLMHead`` instead, with the scenario's ``turbo_config`` (the stand-in
+tests/stand_ins/fsdp_turbo on ``PYTHONPATH``; its module patches are undone after the scenario). Each scenario
+builds a ``FSDPEngineWithLMHead`` from a tiny Qwen2 saved
 with ``save_pretrained`` (``FSDPEngine.initialize``: ``_build_module``, ``_build_fsdp_module``,
 optimizer, checkpoint manager), then trains two steps on a fixed batch of 4 sequences of different
 lengths with verl's ``sft_loss``: the first runs the three calls of ``BaseEngine.train_batch``
@@ -185,7 +188,8 @@ class HookLog(logging.Handler):
         self.lines: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        if "before FSDP wrapping" in record.getMessage() or "produced qwen_npu graphs" in record.getMessage():
+        message = record.getMessage()
+        if any(key in message for key in ("before FSDP wrapping", "produced qwen_npu graphs", "FSDP-Turbo")):
             self.lines.append(record.getMessage())
 
 
@@ -214,8 +218,12 @@ def run(settings: dict, model_dir: str) -> dict:
                                      use_orig_params=settings.get("use_orig_params", False),
                                      mixed_precision={"param_dtype": settings["param_dtype"]},
                                      forward_only=settings.get("forward_only", False),
-                                     ulysses_sequence_parallel_size=settings.get("ulysses", 1))
-    engine = FSDPEngineWithLMHead(model_config, engine_config, FSDPOptimizerConfig(lr=1e-3, total_training_steps=2),
+                                     ulysses_sequence_parallel_size=settings.get("ulysses", 1),
+                                     turbo_config=settings.get("turbo_config", {}))
+    engine_class = FSDPEngineWithLMHead
+    if settings["strategy"] == "fsdp_turbo":
+        from verl.workers.engine.fsdp.fsdp_turbo_impl import FSDPTurboEngineWithLMHead as engine_class
+    engine = engine_class(model_config, engine_config, FSDPOptimizerConfig(lr=1e-3, total_training_steps=2),
                                   CheckpointConfig())
     engine.initialize()  # a reference model (forward_only) stops here on a CPU: FSDP2 pins its CPU-offloaded shards
     loss_function = functools.partial(sft_loss, None)  # sft_loss(config, model_output, data, dp_group)
@@ -235,6 +243,7 @@ def run(settings: dict, model_dir: str) -> dict:
     layers = {
         name: {"class": record.class_name, "calls": dict(record.calls),
                "fusions": [dict(report.fusions) for report in record.reports],
+               "already_fused": [{k: n for k, n in report.already_fused.items() if n} for report in record.reports],
                "variants": [dict(report.variants) for report in record.reports],
                # what ran each graph, and (torchair off-NPU) its GE graphs and nodes that failed to convert
                "downstream": [report.downstream for report in record.reports],
@@ -247,6 +256,7 @@ def run(settings: dict, model_dir: str) -> dict:
     }
     return {
         "verl_version": verl.__version__,
+        "engine": type(engine).__name__,
         "torch_compile": f"{torch.compile.__module__}.{torch.compile.__qualname__}",
         "hook_imported_by": "VERL_USE_EXTERNAL_MODULES" if HOOK_IMPORTED_BY_VERL else
                             ("external_lib" if "qwen_npu_compile.verl" in sys.modules else None),
@@ -282,6 +292,8 @@ def _rank(rank: int, world_size: int, spec_path: str, out_path: str, model_dir: 
         except Exception as exc:  # recorded for the test (the FSDP1 refusal is expected)
             results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         results[name]["hook_log"] = hook_log.lines
+        if "fsdp_turbo.fsdp_turbo" in sys.modules:  # the stand-in's patches are process-wide: the next scenario
+            sys.modules["fsdp_turbo.fsdp_turbo"].undo_module_patches()  # starts from transformers' own forwards
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)

@@ -73,6 +73,10 @@ _THROUGH = frozenset({
     aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.repeat_interleave.self_int,
     aten.contiguous.default, aten.clone.default, aten.to.dtype, aten._to_copy.default, aten.unsqueeze.default,
     aten.expand.default, aten.slice.Tensor,
+    # transformers 5.25 splits q/k/v/g/beta with torch.tensor_split(x, [T - n_keep], 1) around the chunked call (the
+    # last n_keep tokens go to the recurrent kernel for a cache; n_keep = 0 in training): the op's own check that q
+    # holds the proof's T tokens refuses the prefix of a cached call
+    aten.tensor_split.indices, aten.tensor_split.sections, aten.tensor_split.tensor_indices_or_sections,
 })
 _CONVS = (aten.conv1d.default,)
 

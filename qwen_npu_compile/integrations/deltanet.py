@@ -106,6 +106,8 @@ _installed: dict[str, str] = {}
 _eager_behaviour: dict[str, str] = {}
 #: Refusals already logged.
 _refused: set[str] = set()
+#: How transformers bound ``torch_chunk_gated_delta_rule``, by module (:func:`resolve_binding`'s kind).
+_bindings: dict[str, str] = {}
 
 
 class DeltaNetIntegrationError(RuntimeError):
@@ -261,18 +263,65 @@ def _eager_packed_behaviour(function) -> str:
     return "eager's torch fallback ignores cu_seqlens: each sequence starts from the previous one's state"
 
 
+def _closure_function(function, name: str):
+    """The function held in the closure variable ``name`` of ``function`` (None when there is none)."""
+    code = getattr(function, "__code__", None)
+    if code is None or name not in code.co_freevars or not function.__closure__:
+        return None
+    try:
+        return function.__closure__[code.co_freevars.index(name)].cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def resolve_binding(bound) -> tuple[types.FunctionType | None, str]:
+    """The plain Python function Dynamo reaches when traced code calls ``bound``, and what ``bound`` is.
+
+    transformers binds its module-level kernel functions (``torch_chunk_gated_delta_rule``, ``causal_conv1d_fn``)
+    three ways, by version and by what is installed:
+
+    - a plain function (4.57.6, 5.10.4);
+    - the hub wrapper of ``use_kernel_func_from_hub_with_fallback`` (>= 5.15 without the ``kernels`` package): a
+      plain function with ``__wrapped__`` that dispatches to the original package (FLA, ``causal-conv1d``) when it
+      is installed and supports the inputs' device (5.25: by device, ``npu`` included for FLA), else to the torch
+      function;
+    - with ``kernels`` installed (a hard dependency of 5.25; optional on 5.24), that hub wrapper turned into a
+      ``kernels`` ``Func`` module instance by ``use_kernel_forward_from_hub``: its ``forward`` calls the wrapper
+      (closure variable ``func``) unless ``kernelize`` bound a hub kernel for the device and mode (kernels 0.19.1
+      ``_internals/layer/layer.py`` ``_create_func_module``; transformers 5.25 maps the delta rule to a hub kernel
+      for cuda, rocm and xpu only, so on an NPU or a CPU the wrapper runs).
+
+    Substituting the returned function covers every device: Dynamo traces the substitute wherever the wrapper
+    would have dispatched.
+
+    Returns:
+        ``(function, kind)``: ``kind`` is ``"plain function"``, ``"hub wrapper"`` or ``"kernels Func wrapper"``;
+        ``function`` is None (and ``kind`` describes ``bound``) for anything else.
+    """
+    if isinstance(bound, types.FunctionType):
+        return bound, "hub wrapper" if hasattr(bound, "__wrapped__") else "plain function"
+    if isinstance(bound, torch.nn.Module) and hasattr(bound, "kernel_layer_name"):
+        inner = _closure_function(type(bound).forward, "func")
+        if isinstance(inner, types.FunctionType):
+            return inner, "kernels Func wrapper"
+        return None, f"a kernels Func module ({type(bound).__qualname__}) whose forward holds no function 'func'"
+    return None, f"{type(bound).__module__}.{type(bound).__qualname__}"
+
+
 def _install_transformers(module_name: str) -> str | None:
     module = sys.modules.get(module_name)
     if module is None:
         return None
-    function = getattr(module, "torch_chunk_gated_delta_rule", None)
+    bound = getattr(module, "torch_chunk_gated_delta_rule", None)
     key = f"{module_name}.torch_chunk_gated_delta_rule"
     if key in _installed:
         return _installed[key]
-    if not isinstance(function, types.FunctionType) or function.__name__ != "torch_chunk_gated_delta_rule":
-        log.info("qwen_npu: %s is %r (FLA or a hub kernel, outside any graph), not transformers' torch reference: "
-                 "not substituted", key, function)
+    function, kind = resolve_binding(bound)
+    if function is None or function.__name__ != "torch_chunk_gated_delta_rule":
         _installed[key] = ""
+        _refuse(key, f"it is bound to {kind if function is None else repr(function)}, a binding this version of "
+                     "qwen_npu_compile does not know (it knows a plain function, transformers' hub wrapper and the "
+                     "kernels Func wrapper of it); upgrade qwen_npu_compile, or report the versions")
         return None
     names = tuple(inspect.signature(function).parameters)[:len(_HF_PARAMETERS)]
     if names != _HF_PARAMETERS:
@@ -281,9 +330,10 @@ def _install_transformers(module_name: str) -> str | None:
         return None
     torch.compiler.substitute_in_graph(function, skip_signature_check=True)(_substitute_for(function))
     _eager_behaviour[module_name] = _eager_packed_behaviour(function)
+    _bindings[module_name] = kind
     line = f"{module_name.rsplit('.', 1)[-1]}.torch_chunk_gated_delta_rule -> {op_module.NAME}"
-    conv = getattr(module, "causal_conv1d_fn", None)
-    if (isinstance(conv, types.FunctionType) and hasattr(conv, "__wrapped__")
+    conv, _ = resolve_binding(getattr(module, "causal_conv1d_fn", None))
+    if (conv is not None and hasattr(conv, "__wrapped__")
             and tuple(inspect.signature(conv.__wrapped__).parameters)[:4] == _CONV_PARAMETERS):
         torch.compiler.substitute_in_graph(conv, skip_signature_check=True)(_conv_substitute_for(conv))
         line += " and causal_conv1d_fn -> per-sequence conv for packed rows"

@@ -32,7 +32,8 @@ from qwen_npu_compile.worker import ENV_COMPILE
 
 LENGTHS = [37, 70, 20]  # crosses a 64-token chunk inside the second sequence
 OP = torch.ops.qwen_npu.chunk_gated_delta_rule.default
-HUB_WRAPPER = hasattr(M.torch_chunk_gated_delta_rule, "__wrapped__")  # transformers >= 5.15
+#: transformers >= 5.15: the hub wrapper (a plain function with ``__wrapped__``, or its kernels ``Func`` module)
+HUB_WRAPPER = deltanet.resolve_binding(M.torch_chunk_gated_delta_rule)[1] != "plain function"
 
 
 def _cu(lengths) -> torch.Tensor:

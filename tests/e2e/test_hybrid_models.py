@@ -34,6 +34,9 @@ def _softplus_backward_differs() -> bool:
 
 
 BUG = _softplus_backward_differs()
+#: transformers >= 5.25 slices g (``torch.tensor_split``) before the delta rule reads it transposed: the slice's
+#: backward hands softplus_backward a fresh contiguous gradient, where meta and CPU kernels agree (no pin needed)
+G_SLICED = tuple(int(p) for p in transformers.__version__.split("+")[0].split(".")[:2]) >= (5, 25)
 LINEAR_LAYERS = 3
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
@@ -113,7 +116,7 @@ def test_traced_delta_rule_with_the_family_off_pins_the_softplus_gradient(npu_op
         deltanet.install(enabled=True)
     (report,) = SUMMARY.graphs
     assert report.fusions == expected_fusions(model.config, families), report.fusions
-    assert len(report.layout_pins) == (LINEAR_LAYERS if BUG else 0)
+    assert len(report.layout_pins) == (LINEAR_LAYERS if BUG and not G_SLICED else 0)
     assert {pin["op"] for pin in report.layout_pins} <= {"aten.softplus_backward.default"}
 
 

@@ -21,6 +21,7 @@ _PUBLIC = {
     "GraphReport": "report",
     "NpuOpsStatus": "npu_ops",
     "QwenNpuConfig": "config",
+    "QwenNpuConfigError": "config",
     "ensure_npu_ops": "npu_ops",
     "get_reports": "report",
     "maybe_compile": "integrations.worker",

@@ -15,7 +15,9 @@ canonicalize: :mod:`~qwen_npu_compile.canonicalize`; fuse: :mod:`~qwen_npu_compi
 
 from __future__ import annotations
 
+import inspect
 import logging
+import os
 import time
 from collections.abc import Sequence
 
@@ -23,7 +25,7 @@ import torch
 import torch.fx
 
 from . import canonicalize, compat, dump, emit
-from .config import QwenNpuConfig
+from .config import ENV_FUSIONS, QwenNpuConfig, QwenNpuConfigError
 from .fuse import FusionPasses, count_fused_in_captured, fuse
 from .fusion import CompileTarget
 from .handoff import check_offline_mode, hand_off
@@ -40,9 +42,24 @@ compat.install_tracing_fixes()
 _DUMP_HINT = "set QWEN_NPU_DUMP_DIR=<dir> (or options={'dump_dir': ...}) and read <dir>/summary.json for the reasons"
 
 
+def _fusions_at_lookup() -> frozenset[str]:
+    """The families ``QWEN_NPU_FUSIONS`` enables, all of them when it is unset or malformed.
+
+    Only that variable is read, and a malformed value raises nothing here: this runs while ``torch.compile``
+    looks the backend up, where an error would come through the entry-point import machinery (some 30
+    traceback lines) and before the ``options=`` that may override it can be seen; the backend raises it at
+    the first call, as one line (:func:`qwen_npu_backend`).
+    """
+    environ = {ENV_FUSIONS: os.environ[ENV_FUSIONS]} if ENV_FUSIONS in os.environ else {}
+    try:
+        return QwenNpuConfig.from_options(None, environ=environ).fusions
+    except QwenNpuConfigError:
+        return QwenNpuConfig().fusions
+
+
 # The backend is imported when torch.compile looks "qwen_npu" up, before Dynamo traces: the Gated DeltaNet
 # substitutions of the modeling modules imported by then are in place for the first frame.
-deltanet.install(enabled=QwenNpuConfig.from_options(None, dump_dir_errors="defer").fusions >= {"gated_delta_rule"})
+deltanet.install(enabled=_fusions_at_lookup() >= {"gated_delta_rule"})
 
 
 def refusal_reasons(refused, families, limit: int = 3) -> str:
@@ -78,26 +95,24 @@ def qwen_npu_backend(
         The compiled callable of the downstream backend.
 
     Raises:
-        ValueError: a bad option or env value, ``mode`` given, or ``downstream="torchair"`` off-NPU with
-            ``torchair_mode="reduce-overhead"``.
+        qwen_npu_compile.config.QwenNpuConfigError: (a ``ValueError``) a bad option or ``QWEN_NPU_*`` value,
+            ``mode`` given, or ``downstream="torchair"`` off-NPU with ``torchair_mode="reduce-overhead"``; one
+            line, passed by Dynamo to the caller of the compiled model as it is (not as
+            ``BackendCompilerFailed``, and without Dynamo's frames: :func:`qwen_npu_compile.compat.through_dynamo`).
         qwen_npu_compile.torchair_offline.TorchairUnavailableError: ``downstream="torchair"`` off-NPU and
             the paired torch_npu wheel could not be obtained (no network and none cached).
         FusionError: strict mode and an enabled family refused or near-missed a match, or a stage failed
             (canonicalize, fuse, emit, hand-off, dump, report) where the default falls back with one
             warning (:data:`STAGES`; see docs/how-it-works.md, "No stage stops training").
     """
-    if mode is not None:
-        raise ValueError(
-            f"qwen_npu: torch.compile(mode={mode!r}) is not supported; choose the downstream backend with "
-            "options={'downstream': 'torchair'|'aot_eager'|'eager'|'inductor'}"
-        )
-    # A dump folder that cannot be written must not stop training: dumping turns itself off with one
-    # warning at the first failing write (dump.py); `check` and maybe_compile refuse it up front.
-    config = QwenNpuConfig.from_options(options, dump_dir_errors="defer")
+    try:
+        config, status, downstream = validated_settings(options, mode)
+    except QwenNpuConfigError as exc:
+        # the user's setting, not a compiler failure: one line where the compiled model was called, without
+        # Dynamo's BackendCompilerFailed wrapping, its frames and its bug-report footer
+        raise compat.through_dynamo(exc, inspect.currentframe()) from None
     deltanet.install(enabled="gated_delta_rule" in config.fusions)  # for the frames Dynamo traces next
     deltanet.warn_if_substituted_while_disabled(gm, config.fusions)
-    status = ensure_npu_ops()
-    downstream = resolve_downstream(config, status)
     report, rewritten = rewrite(gm, example_inputs, config, status, downstream)
     refuse_in_strict_mode(report, config)
     rewritten, constants = lift_constants(gm, rewritten, report, config)
@@ -114,6 +129,28 @@ def qwen_npu_backend(
     return emit.bind_trailing_inputs(compiled, constants)
 
 
+def validated_settings(options: dict | None, mode: str | None) -> tuple[QwenNpuConfig, NpuOpsStatus, str]:
+    """The backend's settings: the config of ``options`` and the environment, the npu ops, the downstream.
+
+    Returns:
+        ``(config, npu ops status, downstream backend name)``.
+
+    Raises:
+        QwenNpuConfigError: ``mode`` given, a bad option or ``QWEN_NPU_*`` value, or torchair settings that
+            cannot run off-NPU (:func:`resolve_downstream`).
+    """
+    if mode is not None:
+        raise QwenNpuConfigError(
+            f"qwen_npu: torch.compile(mode={mode!r}) is not supported; choose the downstream backend with "
+            "options={'downstream': 'torchair'|'aot_eager'|'eager'|'inductor'}"
+        )
+    # A dump folder that cannot be written must not stop training: dumping turns itself off with one
+    # warning at the first failing write (dump.py); `check` and maybe_compile refuse it up front.
+    config = QwenNpuConfig.from_options(options, dump_dir_errors="defer")
+    status = ensure_npu_ops()
+    return config, status, resolve_downstream(config, status)
+
+
 def resolve_downstream(config: QwenNpuConfig, status: NpuOpsStatus) -> str:
     """The downstream backend: the configured one, else torchair with real ops, else aot_eager.
 
@@ -121,7 +158,7 @@ def resolve_downstream(config: QwenNpuConfig, status: NpuOpsStatus) -> str:
     wheel, see :mod:`qwen_npu_compile.torchair_offline`); the wheel is obtained at the hand-off.
 
     Raises:
-        ValueError: torchair off-NPU with a torchair mode that cannot run there (``reduce-overhead``).
+        QwenNpuConfigError: torchair off-NPU with a torchair mode that cannot run there (``reduce-overhead``).
     """
     if config.downstream is None:
         return "aot_eager" if status.simulated else "torchair"

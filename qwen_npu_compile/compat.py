@@ -39,6 +39,11 @@ What differs, and how it is absorbed:
   reaches ``importlib.util.find_spec`` (torch 2.11) or ``import_utils.logger.debug`` (2.13): a graph break per
   MoE block (Qwen3-MoE: 21 graphs for 2 layers, experts unfused). The probes are marked constant for Dynamo
   (``assume_constant_result``'s marker): :func:`transformers_version_probes_constant`.
+* How Dynamo hands a backend's exception to the caller of the compiled model: any exception becomes
+  ``BackendCompilerFailed`` (a multi-line message, Dynamo's frames in the traceback and PyTorch's "reporting a
+  bug to PyTorch" footer), except ``torch._dynamo.exc.ShortenTraceback`` (torch's own user-facing backend errors,
+  e.g. Inductor's ``TritonMissing``), which passes through unchanged with Dynamo's frames cut.
+  :func:`through_dynamo` makes a :class:`~qwen_npu_compile.config.QwenNpuConfigError` pass as one.
 * AOTAutograd's ``default_partition`` asserts on 2.9.0 on the scalar-tensorification nodes that lack
   ``tensor_meta`` (dynamic shapes, training); 2.13.0 accepts them: :func:`default_partition`.
 """
@@ -81,6 +86,7 @@ __all__ = [
     "register_replacement",
     "saved_tensors_hooks_disabled",
     "strip_default_context_fn",
+    "through_dynamo",
     "wraps_compiled",
 ]
 
@@ -431,6 +437,69 @@ def wraps_compiled(compiled: Callable[..., object]) -> Callable[[Callable[..., o
         return wrapper
 
     return decorate
+
+
+# --------------------------------------------------------------------------------------------------
+# a bad setting, raised from inside the backend
+
+
+@functools.cache
+def _passthrough_class(base: type[Exception]) -> type[Exception] | None:
+    """``base`` made a ``torch._dynamo.exc.ShortenTraceback`` too, shown under ``base``'s name; None where
+    this torch has no usable ``ShortenTraceback`` (then Dynamo wraps the error as it wraps any other)."""
+    try:
+        from torch._dynamo.exc import ShortenTraceback
+    except ImportError:
+        return None
+    if not callable(getattr(ShortenTraceback, "remove_dynamo_frames", None)):
+        return None
+
+    def __init__(self, message: str, first_useful_frame) -> None:
+        # not ShortenTraceback.__init__, whose signature is torch's to change: remove_dynamo_frames() reads
+        # only this attribute
+        Exception.__init__(self, message)
+        self.first_useful_frame = first_useful_frame
+        self._message = message
+
+    def __str__(self) -> str:
+        # Dynamo appends "from user code: ..." and its footer to args[0] (exc.augment_exc_message) of every
+        # error it passes on; the message stays the one line we wrote
+        return self._message
+
+    def __reduce__(self):
+        # pickled (multiprocessing, Ray) as the public class: this one takes a frame, which does not pickle
+        return base, (self._message,)
+
+    try:
+        cls = type(base.__name__, (base, ShortenTraceback), {
+            "__init__": __init__, "__str__": __str__, "__reduce__": __reduce__, "__module__": base.__module__,
+            "__qualname__": base.__qualname__, "__doc__": base.__doc__,
+        })
+    except TypeError:  # the two bases' layouts conflict in some future torch
+        return None
+    return cls
+
+
+def through_dynamo(error: Exception, frame) -> Exception:
+    """``error`` as an exception that Dynamo hands to the caller of the compiled model unchanged.
+
+    Raised inside a backend, any exception reaches the user as ``BackendCompilerFailed`` with Dynamo's frames
+    and footer; an instance of ``torch._dynamo.exc.ShortenTraceback`` is re-raised as it is (``output_graph._call_user_compiler``,
+    since torch 2.7), its traceback cut to start at ``first_useful_frame``
+    (``eval_frame``'s compile wrapper: ``raise e.remove_dynamo_frames() from None``; not under
+    ``TORCHDYNAMO_VERBOSE=1``). Raise the result ``from None``.
+
+    Args:
+        error: the exception to pass on; its type's name and its ``str`` are what the user sees.
+        frame: the raising frame (``inspect.currentframe()`` of the backend function), where the traceback
+            the user sees ends.
+
+    Returns:
+        An instance of a subclass of ``type(error)`` and ``ShortenTraceback`` with the same message (``isinstance``
+        checks against ``type(error)`` hold), or ``error`` itself where this torch has no ``ShortenTraceback``.
+    """
+    cls = _passthrough_class(type(error))
+    return error if cls is None else cls(str(error), frame)
 
 
 # --------------------------------------------------------------------------------------------------

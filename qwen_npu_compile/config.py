@@ -1,8 +1,9 @@
 """Configuration of the ``qwen_npu`` backend: ``torch.compile`` options and ``QWEN_NPU_*`` env vars.
 
 ``torch.compile(model, backend="qwen_npu", options={...})`` and the environment set the same things;
-options win over the environment. Every value is validated here, once, with a ``ValueError`` that names
-the valid choices, so that nothing malformed reaches the passes.
+options win over the environment. Every value is validated here, once, with a :class:`QwenNpuConfigError`
+(a ``ValueError``) whose message is one line naming the valid choices (and the closest one, where a value is
+close to one), so that nothing malformed reaches the passes.
 
 =================  ======================  ==============================================================
 option             environment variable    meaning
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import os
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -65,6 +67,31 @@ _OPTION_TO_ENV = {
 }
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
+
+
+class QwenNpuConfigError(ValueError):
+    """A bad ``qwen_npu`` setting: an unknown option key, a malformed option or ``QWEN_NPU_*`` value,
+    ``torch.compile(mode=...)``, or torchair settings that cannot run here.
+
+    The message is one line: where the value came from, what is wrong, the valid choices and, where a value
+    is close to one of them, the closest (``did you mean 'rms_norm'?``). A ``ValueError``, so that code
+    catching ``ValueError`` keeps working. Raised by :meth:`QwenNpuConfig.from_options` (``maybe_compile``,
+    the Trainer callback and ``check`` call it before anything runs) and, for ``torch.compile(...,
+    backend="qwen_npu")``, at the first call of the compiled model without Dynamo's wrapping
+    (:func:`qwen_npu_compile.compat.through_dynamo`).
+    """
+
+
+def closest(value: object, choices: Iterable[str]) -> str | None:
+    """The choice closest to ``value`` (case and surrounding blanks ignored; ``difflib`` ratio >= 0.6), or None."""
+    close = difflib.get_close_matches(str(value).strip().lower(), list(choices), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def did_you_mean(value: object, choices: Iterable[str]) -> str:
+    """`` (did you mean 'X'?)`` with :func:`closest` ``X``, or ``""`` when no choice is close."""
+    match = closest(value, choices)
+    return "" if match is None else f" (did you mean {match!r}?)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,20 +134,22 @@ class QwenNpuConfig:
                 dumps never stop training, :mod:`qwen_npu_compile.dump`).
 
         Raises:
-            ValueError: an unknown option key, an unknown family, a malformed boolean, an unknown
-                downstream or (``dump_dir_errors="raise"``) a dump folder that cannot be written; the
-                message names the valid choices and where the value came from.
+            QwenNpuConfigError: (a ``ValueError``) an unknown option key, an unknown family, a malformed
+                boolean, an unknown downstream or (``dump_dir_errors="raise"``) a dump folder that cannot be
+                written; the one-line message names the valid choices and where the value came from.
+            ValueError: ``dump_dir_errors`` is neither ``"raise"`` nor ``"defer"`` (a caller's bug).
         """
         if dump_dir_errors not in ("raise", "defer"):
             raise ValueError(f"dump_dir_errors must be 'raise' or 'defer', got {dump_dir_errors!r}")
         if options is not None and not isinstance(options, Mapping):
-            raise ValueError(f"qwen_npu: options must be a dict such as {{'fusions': 'all'}}, got {options!r}")
+            raise QwenNpuConfigError(f"qwen_npu: options must be a dict such as {{'fusions': 'all'}}, got {options!r}")
         options = dict(options or {})
         environ = os.environ if environ is None else environ
         unknown = sorted(set(options) - set(_OPTION_TO_ENV))
         if unknown:
-            raise ValueError(
-                f"qwen_npu: unknown option(s) {unknown}; valid options are {sorted(_OPTION_TO_ENV)}"
+            hint = did_you_mean(unknown[0], _OPTION_TO_ENV) if len(unknown) == 1 else ""
+            raise QwenNpuConfigError(
+                f"qwen_npu: unknown option(s) {unknown}{hint}; valid options are {sorted(_OPTION_TO_ENV)}"
             )
 
         def pick(key: str) -> tuple[object | None, str]:
@@ -136,11 +165,11 @@ class QwenNpuConfig:
 
         dump_value, where = pick("dump_dir")
         if dump_value not in (None, "") and not isinstance(dump_value, (str, os.PathLike)):
-            raise ValueError(f"qwen_npu: {where} must be a folder path (str or Path), got {dump_value!r}")
+            raise QwenNpuConfigError(f"qwen_npu: {where} must be a folder path (str or Path), got {dump_value!r}")
         dump_dir = Path(os.fspath(dump_value)).expanduser() if dump_value not in (None, "") else None
         problem = dump_dir_problem(dump_dir) if dump_dir is not None and dump_dir_errors == "raise" else None
         if problem is not None:
-            raise ValueError(f"qwen_npu: {where} = {str(dump_dir)!r} {problem}; choose a folder you can write "
+            raise QwenNpuConfigError(f"qwen_npu: {where} = {str(dump_dir)!r} {problem}; choose a folder you can write "
                              f"(or unset it: dumping is off by default)")
 
         downstream_value, where = pick("downstream")
@@ -148,9 +177,9 @@ class QwenNpuConfig:
         if downstream_value not in (None, ""):
             downstream = str(downstream_value).strip().lower()
             if downstream not in DOWNSTREAMS:
-                raise ValueError(
-                    f"qwen_npu: {where} = {downstream_value!r} is not a known downstream backend; "
-                    f"choose one of {list(DOWNSTREAMS)}"
+                raise QwenNpuConfigError(
+                    f"qwen_npu: {where} = {downstream_value!r} is not a known downstream backend"
+                    f"{did_you_mean(downstream, DOWNSTREAMS)}; choose one of {list(DOWNSTREAMS)}"
                 )
 
         strict_value, where = pick("strict")
@@ -164,7 +193,7 @@ class QwenNpuConfig:
         if dump_type_value not in (None, "") and str(dump_type_value).strip().lower() not in ("none", "off"):
             torchair_dump = parse_choice(dump_type_value, TORCHAIR_DUMP_TYPES, where, extra="or 'none'")
             if dump_dir is None:
-                raise ValueError(
+                raise QwenNpuConfigError(
                     f"qwen_npu: {where} = {dump_type_value!r} needs a dump folder: set option 'dump_dir' or "
                     f"{ENV_DUMP_DIR} (torchair's graphs go to <dump_dir>/<graph>/torchair/)"
                 )
@@ -209,7 +238,8 @@ def parse_fusions(value: object, where: str = "fusions") -> frozenset[str]:
     An empty list means no family; an empty string is an error (say ``none``).
 
     Raises:
-        ValueError: an unknown family name (``all``/``none`` mixed with names included) or an empty string.
+        QwenNpuConfigError: (a ``ValueError``) an unknown family name (``all``/``none`` mixed with names
+            included) or an empty string; one line, with the closest family where one is close.
     """
     if isinstance(value, str):
         text = value.strip().lower()
@@ -217,17 +247,22 @@ def parse_fusions(value: object, where: str = "fusions") -> frozenset[str]:
             return frozenset(ALL_FAMILIES) if text == "all" else frozenset()
         items = [item.strip() for item in text.split(",") if item.strip()]
         if not items:
-            raise ValueError(
+            raise QwenNpuConfigError(
                 f"qwen_npu: {where} is empty; use 'all', 'none' or a comma-separated subset of {list(ALL_FAMILIES)}"
             )
     elif isinstance(value, Iterable):
         items = [str(item).strip().lower() for item in value]
     else:
-        raise ValueError(f"qwen_npu: {where} must be a string or a list of families, got {value!r}")
+        raise QwenNpuConfigError(f"qwen_npu: {where} must be a string or a list of families, got {value!r}")
     bad = [item for item in items if item not in ALL_FAMILIES]
     if bad:
-        raise ValueError(
-            f"qwen_npu: {where} names unknown fusion famil{'y' if len(bad) == 1 else 'ies'} {bad}; "
+        pairs = [(item, match) for item in bad if (match := closest(item, ALL_FAMILIES)) is not None]
+        if len(bad) == 1 and pairs:
+            hint = f" (did you mean {pairs[0][1]!r}?)"
+        else:
+            hint = f" (did you mean {', '.join(f'{m!r} for {i!r}' for i, m in pairs)}?)" if pairs else ""
+        raise QwenNpuConfigError(
+            f"qwen_npu: {where} names unknown fusion famil{'y' if len(bad) == 1 else 'ies'} {bad}{hint}; "
             f"valid: 'all', 'none' or a comma-separated subset of {list(ALL_FAMILIES)}"
         )
     return frozenset(items)
@@ -237,11 +272,13 @@ def parse_choice(value: object, choices: tuple[str, ...], where: str, extra: str
     """Parse one of ``choices`` (case-insensitive, surrounding blanks ignored).
 
     Raises:
-        ValueError: any other value (or a non-string); the message lists the choices.
+        QwenNpuConfigError: (a ``ValueError``) any other value (or a non-string); the one-line message lists
+            the choices, and the closest where one is close.
     """
     text = value.strip().lower() if isinstance(value, str) else None
     if text not in choices:
-        raise ValueError(f"qwen_npu: {where} = {value!r} is not valid; choose one of {list(choices)}{' ' + extra if extra else ''}")
+        raise QwenNpuConfigError(f"qwen_npu: {where} = {value!r} is not valid{did_you_mean(value, choices)}; "
+                                 f"choose one of {list(choices)}{' ' + extra if extra else ''}")
     return text
 
 
@@ -249,7 +286,7 @@ def parse_bool(value: object, where: str) -> bool:
     """Parse a boolean option or env value (``1/true/yes/on``, ``0/false/no/off``).
 
     Raises:
-        ValueError: any other value.
+        QwenNpuConfigError: (a ``ValueError``) any other value; the closest spelling where one is close.
     """
     if isinstance(value, bool):
         return value
@@ -258,4 +295,6 @@ def parse_bool(value: object, where: str) -> bool:
         return True
     if text in _FALSE:
         return False
-    raise ValueError(f"qwen_npu: {where} = {value!r} is not a boolean; use one of 1/true/yes/on or 0/false/no/off")
+    hint = did_you_mean(text, sorted((_TRUE | _FALSE) - {""}))
+    raise QwenNpuConfigError(f"qwen_npu: {where} = {value!r} is not a boolean{hint}; "
+                             "use one of 1/true/yes/on or 0/false/no/off")

@@ -34,7 +34,7 @@ import torch
 import torch.fx
 
 from . import aot_layout, compat, dump
-from .config import QwenNpuConfig
+from .config import QwenNpuConfig, QwenNpuConfigError
 from .report import FusionError, GraphReport, npu_op_counts
 
 log = logging.getLogger("qwen_npu_compile")
@@ -236,11 +236,12 @@ def check_offline_mode(config: QwenNpuConfig) -> None:
     """Raise when the torchair settings cannot run off-NPU.
 
     Raises:
-        ValueError: ``torchair_mode="reduce-overhead"``: torchair then captures an ACL graph on the NPU
-            (``torchair/_acl_concrete_graph``) instead of converting to GE, so there is nothing to check.
+        QwenNpuConfigError: (a ``ValueError``) ``torchair_mode="reduce-overhead"``: torchair then captures an
+            ACL graph on the NPU (``torchair/_acl_concrete_graph``) instead of converting to GE, so there is
+            nothing to check.
     """
     if config.torchair_mode != "max-autotune":
-        raise ValueError(
+        raise QwenNpuConfigError(
             f"qwen_npu: torchair_mode {config.torchair_mode!r} captures an ACL graph on the NPU; off-NPU only the "
             "GE graph mode 'max-autotune' (the default) can be checked: unset torchair_mode / QWEN_NPU_TORCHAIR_MODE"
         )

@@ -1,10 +1,12 @@
 """Every difference between the torch versions this package supports, in one place.
 
-Supported: torch 2.7.1 to 2.14 (CI runs 2.7.1, 2.9.0, 2.10.0, 2.11.0, 2.13.0 and 2.14.0; the range is
-:data:`TESTED_TORCH`, which ``pyproject.toml`` admits). On a torch outside it, importing the package warns once
-(:class:`UntestedTorchWarning`, one line naming the tested range and what to do; :func:`warn_if_untested_torch`)
-and goes on: a graph the retrace cannot follow compiles unfused with its own warning, so an untested torch
-costs fusions, not correctness. Nothing else in the package
+Supported: torch 2.7.1 to 2.15 and transformers 4.57.6 to 5.25 (the ranges are :data:`TESTED_TORCH` and
+:data:`TESTED_TRANSFORMERS`, which ``pyproject.toml`` admits; ``tools/stack_matrix.py`` lists the stacks CI runs).
+On a torch outside its range, importing the package warns once (:class:`UntestedTorchWarning`, one line naming
+the tested range and what to do; :func:`warn_if_untested_torch`), and likewise on a transformers outside its
+range (:class:`UntestedTransformersWarning`; :func:`warn_if_untested_transformers`, read from the installed
+distribution's metadata, without importing transformers), and goes on: a graph the retrace cannot follow
+compiles unfused with its own warning, so an untested stack costs fusions, not correctness. Nothing else in the package
 reads ``torch.__version__`` or probes private torch APIs; it imports what it needs from here. Where
 possible a difference is detected from the API itself (a signature, an attribute), not from a version
 number, so a backport or a later change is followed automatically.
@@ -68,9 +70,13 @@ if TYPE_CHECKING:  # Inductor's pattern matcher is imported when first used (npu
 
 __all__ = [
     "TESTED_TORCH",
+    "TESTED_TRANSFORMERS",
     "UntestedTorchWarning",
+    "UntestedTransformersWarning",
     "untested_torch_message",
+    "untested_transformers_message",
     "warn_if_untested_torch",
+    "warn_if_untested_transformers",
     "VMAP_ENTER",
     "VMAP_EXIT",
     "VMAP_LAZY_LOAD",
@@ -92,27 +98,55 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------------------------------
-# the tested torch range (forward compatibility, stated)
+# the tested torch and transformers ranges (forward compatibility, stated)
 
-#: The torch releases CI's stack matrix tests (``tools/stack_matrix.py``); ``pyproject.toml`` pins exactly this
-#: (``tests/test_version_check.py`` keeps the two equal).
-TESTED_TORCH = ">=2.7.1,<2.15"
+#: The torch releases the stack matrix tests (``tools/stack_matrix.py``); ``pyproject.toml``'s dependencies pin
+#: exactly this (``tests/test_version_check.py`` keeps the two equal).
+TESTED_TORCH = ">=2.7.1,<2.16"
+#: The transformers releases the stack matrix tests (4.50-4.57.5 have known mask-construction gaps);
+#: ``pyproject.toml``'s dependencies pin exactly this (``tests/test_version_check.py``).
+TESTED_TRANSFORMERS = ">=4.57.6,<5.26"
 
 
 class UntestedTorchWarning(UserWarning):
     """The installed torch is outside :data:`TESTED_TORCH` (filter it by this category to silence it)."""
 
 
+class UntestedTransformersWarning(UserWarning):
+    """The installed transformers is outside :data:`TESTED_TRANSFORMERS` (filter it by this category to silence it)."""
+
+
 def _release(version: str) -> tuple[int, ...] | None:
-    """``(major, minor, patch)`` of a torch version string (``"2.15.0.dev20261201+cpu"`` → ``(2, 15, 0)``); None when
-    it does not start with ``N.N``."""
+    """``(major, minor, patch)`` of a version string (``"2.15.0.dev20261201+cpu"`` → ``(2, 15, 0)``, ``"5.26.0.dev0"``
+    → ``(5, 26, 0)``); None when it does not start with ``N.N``."""
     match = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", version)
     return None if match is None else tuple(int(part or 0) for part in match.groups())
 
 
-def _tested_bounds() -> tuple[tuple[int, ...], tuple[int, ...]]:
-    lower, upper = (clause.strip() for clause in TESTED_TORCH.split(","))
+def _tested_bounds(spec: str | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(lower, upper)`` releases of a ``">=A.B.C,<D.E"`` range (default :data:`TESTED_TORCH`)."""
+    lower, upper = (clause.strip() for clause in (TESTED_TORCH if spec is None else spec).split(","))
     return _release(lower.removeprefix(">=")), _release(upper.removeprefix("<"))
+
+
+def _untested_message(package: str, version: str, spec: str) -> str | None:
+    """The one-line warning for ``package`` ``version`` outside ``spec``, or None inside it.
+
+    Raises:
+        ValueError: ``version`` is not a version string (``"N.N[.N]…"``).
+    """
+    release = _release(str(version))
+    if release is None:
+        raise ValueError(f"cannot read a {package} version from {version!r}; expected 'MAJOR.MINOR[.PATCH]...'")
+    lower, upper = _tested_bounds(spec)
+    if lower <= release < upper:
+        return None
+    side = "newer" if release >= upper else "older"
+    newest = f"{upper[0]}.{upper[1] - 1}"
+    return (f"qwen_npu_compile: {package} {version} is {side} than the tested range ({package}{spec}, i.e. "
+            f"{'.'.join(map(str, lower))} to {newest}.x); fusions may be missing or compiles may fall back unfused. "
+            f"Install a tested {package} (pip install '{package}{spec}'), or run `qwen-npu-compile check MODEL` "
+            f"to see what fuses here (docs/supported-stacks.md)")
 
 
 def untested_torch_message(version: str | None = None) -> str | None:
@@ -125,19 +159,7 @@ def untested_torch_message(version: str | None = None) -> str | None:
     Raises:
         ValueError: ``version`` is not a version string (``"N.N[.N]…"``).
     """
-    version = torch.__version__ if version is None else version
-    release = _release(str(version))
-    if release is None:
-        raise ValueError(f"cannot read a torch version from {version!r}; expected 'MAJOR.MINOR[.PATCH]...'")
-    lower, upper = _tested_bounds()
-    if lower <= release < upper:
-        return None
-    side = "newer" if release >= upper else "older"
-    newest = f"{upper[0]}.{upper[1] - 1}"
-    return (f"qwen_npu_compile: torch {version} is {side} than the tested range (torch{TESTED_TORCH}, i.e. "
-            f"{'.'.join(map(str, lower))} to {newest}.x); fusions may be missing or compiles may fall back unfused. "
-            f"Install a tested torch (pip install 'torch{TESTED_TORCH}'), or run `qwen-npu-compile check MODEL` "
-            f"to see what fuses here (docs/supported-stacks.md)")
+    return _untested_message("torch", torch.__version__ if version is None else version, TESTED_TORCH)
 
 
 def warn_if_untested_torch(version: str | None = None) -> bool:
@@ -157,8 +179,69 @@ def warn_if_untested_torch(version: str | None = None) -> bool:
     return True
 
 
+def installed_transformers_version() -> str | None:
+    """The installed transformers' version from its distribution metadata (transformers is not imported: that
+    takes seconds, and the CLI's ``report`` needs none of it); None when it is not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def untested_transformers_message(version: str | None = None) -> str | None:
+    """The one-line warning for a transformers outside :data:`TESTED_TRANSFORMERS`, or None inside it (or when
+    transformers is not installed and no ``version`` is given).
+
+    Args:
+        version: a transformers version string; default the installed one
+            (:func:`installed_transformers_version`). Pre-releases count by their release (``5.26.0.dev0`` is 5.26).
+
+    Raises:
+        ValueError: ``version`` is not a version string (``"N.N[.N]…"``).
+    """
+    version = installed_transformers_version() if version is None else version
+    return None if version is None else _untested_message("transformers", version, TESTED_TRANSFORMERS)
+
+
+def warn_if_untested_transformers(version: str | None = None) -> bool:
+    """Warn once (:class:`UntestedTransformersWarning`) when transformers is outside :data:`TESTED_TRANSFORMERS`;
+    runs at package import, next to :func:`warn_if_untested_torch` and for the same reasons (a warning, not an
+    error: the modeling code a new release changed compiles unfused, with its own warning, where a pattern no
+    longer matches). Silence it with ``warnings.filterwarnings("ignore", category=UntestedTransformersWarning)``.
+
+    Returns:
+        True when it warned.
+    """
+    message = untested_transformers_message(version)
+    if message is None:
+        return False
+    warnings.warn(message, UntestedTransformersWarning, stacklevel=2)
+    return True
+
+
+def untested_mark(package: str, version: str | None) -> str:
+    """What ``check``'s "ran with" line appends to ``package``'s version: ``" (untested; tested >=2.7.1,<2.16)"``
+    outside the tested range of ``package`` (``"torch"`` or ``"transformers"``), ``""`` inside it, for a missing
+    package (None) and for a version that cannot be read.
+
+    Raises:
+        KeyError: ``package`` is neither ``"torch"`` nor ``"transformers"``.
+    """
+    message, spec = {"torch": (untested_torch_message, TESTED_TORCH),
+                     "transformers": (untested_transformers_message, TESTED_TRANSFORMERS)}[package]
+    if version is None:
+        return ""
+    try:
+        return "" if message(version) is None else f" (untested; tested {spec})"
+    except ValueError:
+        return ""
+
+
 # Before anything below touches a private torch API that a newer torch may have changed.
 warn_if_untested_torch()
+warn_if_untested_transformers()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -15,7 +15,11 @@ def print_table(result: dict) -> None:
     found = result["versions"]
     torch_npu = found["torch_npu"] if found["torch_npu"] else "none (npu ops simulated)"
     torchair = f", torchair {found['torchair']}" if found["torchair"] else ""
-    print(f"  ran with torch {found['torch']}, transformers {found['transformers']}, torch_npu {torch_npu}{torchair}")
+    # a stack outside the tested ranges is marked where the reader looks for what ran (the import warned once)
+    from ..compat import untested_mark
+
+    print(f"  ran with torch {found['torch']}{untested_mark('torch', found['torch'])}, transformers "
+          f"{found['transformers']}{untested_mark('transformers', found['transformers'])}, torch_npu {torch_npu}{torchair}")
     # a family this model has nothing of (expected 0, none fused) is named on one line, not given a row
     rows = {family: row for family, row in result["fusions"].items()
             if row["expected"] or row["fused"] or row["already_fused"]}

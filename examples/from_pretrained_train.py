@@ -2,7 +2,7 @@
 """Load a model folder with ``from_pretrained``, compile it with ``qwen_npu`` and train it one step.
 
 What a training script does with a checkpoint on disk (e.g. one fetched with
-``huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir Qwen2.5-0.5B-Instruct``):
+``hf download Qwen/Qwen2.5-0.5B-Instruct --local-dir Qwen2.5-0.5B-Instruct``):
 
     python examples/from_pretrained_train.py --model-dir Qwen2.5-0.5B-Instruct --seq-len 32
 

@@ -38,7 +38,8 @@ def unknown_model_message(model: str) -> str | None:
     Imports nothing (no torch): ``qwen-npu-compile check`` answers a typo at once.
 
     * ``org/name`` that is not a folder here: a Hugging Face hub id. ``check`` reads no hub: the line says how to
-      download it into a folder (``huggingface-cli download ... --local-dir``) and names the preset of its shapes
+      download it into a folder (``hf download ... --local-dir``: huggingface_hub 2.x no longer ships
+      ``huggingface-cli``) and names the preset of its shapes
       when one is close (an ``-Instruct`` model shares its base model's shapes).
     * a path (``/``, ``./``, ``~``, or several ``/``): no such folder.
     * anything else: the closest preset names and :data:`LIST_COMMAND`.
@@ -50,7 +51,7 @@ def unknown_model_message(model: str) -> str | None:
         local = model.strip().split("/")[-1]
         hint = f", or check the preset of its shapes: {close[0]}" if close else ""
         return (f"{model!r} is not a folder here; check reads no model hub: download it into a folder and pass the "
-                f"folder (huggingface-cli download {model.strip()} --local-dir {local}; then check ./{local}){hint}")
+                f"folder (hf download {model.strip()} --local-dir {local}; then check ./{local}){hint}")
     if model.startswith(("/", ".", "~")) or model.count("/") > 1:
         return f"no such folder: {model!r} (a model is a local Hugging Face model folder or a preset: {LIST_COMMAND})"
     guess = f"; did you mean {', '.join(close)}?" if close else ""

@@ -105,7 +105,7 @@ def test_typos_hub_ids_and_default_configs_are_refused_without_torch(tmp_path):
     (typo, hub, default, vl, missing) = data["results"]
     assert all(status == 2 and err.count("\n") == 1 for status, err in data["results"]), data
     assert "did you mean qwen3.5-0.8b," in typo[1] and "(list: qwen-npu-compile presets)" in typo[1]
-    assert ("huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir Qwen2.5-0.5B-Instruct" in hub[1]
+    assert ("hf download Qwen/Qwen2.5-0.5B-Instruct --local-dir Qwen2.5-0.5B-Instruct" in hub[1]
             and "preset of its shapes: qwen2.5-0.5b" in hub[1]), hub
     assert (f"{tmp_path / 'config.json'} leaves hidden_size, num_hidden_layers, num_attention_heads, "
             "intermediate_size, vocab_size to transformers' defaults") in default[1]

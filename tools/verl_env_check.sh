@@ -11,7 +11,8 @@
 #    tests/e2e/test_trainer.py (accelerate comes with verl) and tests/e2e/test_verl_moe_patch.py (verl's real
 #    npu_patch Qwen3-MoE block compiled with qwen_npu) and tests/e2e/test_verl_qwen3_5.py (verl's packed Qwen3.5
 #    forward, per-layer compiled: one graph per layer kind, the Gated DeltaNet as one op) and
-#    tests/e2e/test_verl_npu_patch.py (verl's npu_patch applied, then QWEN_NPU_COMPILE=1: layers fuse as without it);
+#    tests/e2e/test_verl_npu_patch.py (verl's npu_patch applied, then QWEN_NPU_COMPILE=1: layers fuse as without it) and
+#    tests/e2e/test_verl_fsdp_turbo.py (verl's FSDPTurboEngineWithLMHead over the stand-in tests/stand_ins/fsdp_turbo);
 # 4. prints how long the install and the tests took;
 # 5. runs tests/ascend_host/test_verl_npu_patch.py on the simulated Ascend host (PYTHONPATH=tests/ascend_host/stand_in,
 #    its own pytest process; builds the stand-in's C++ extension unless cached) and prints its time.
@@ -46,7 +47,8 @@ print(f"verl_env_check: verl {verl.__version__}, torch {torch.__version__}, tran
 
 set +e
 (cd "$repo" && "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests/e2e/test_verl_hook.py tests/e2e/test_trainer.py tests/e2e/test_verl_moe_patch.py \
-    tests/e2e/test_verl_qwen3_5.py tests/e2e/test_verl_npu_patch.py tests/e2e/test_deltanet_packed.py)
+    tests/e2e/test_verl_qwen3_5.py tests/e2e/test_verl_npu_patch.py tests/e2e/test_deltanet_packed.py \
+    tests/e2e/test_verl_fsdp_turbo.py)
 status=$?
 echo "verl_env_check: tests took $(( $(date +%s) - installed ))s (pytest exit $status)"
 # 5. verl on the simulated Ascend host (its own NPU branches: is_npu_available, FSDPEngine.__init__'s npu_patch),

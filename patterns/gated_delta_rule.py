@@ -48,6 +48,7 @@ from __future__ import annotations
 import torch
 
 from qwen_npu_compile.fusion import FamilyPass, FusionFamily, count_applied
+from qwen_npu_compile.integrations import deltanet
 from qwen_npu_compile.npu_ops import gated_delta_rule
 
 from . import gated_delta_rule_packed
@@ -95,7 +96,10 @@ class GatedDeltaRuleFamily(FusionFamily):
         return iter(())
 
     def explain_near_miss(self, anchor: torch.fx.Node) -> str:
-        return ("the chunked delta rule was traced as Python (transformers' torch_chunk_gated_delta_rule): the "
-                f"substitution by {gated_delta_rule.NAME} was not in place when Dynamo traced this frame "
-                "(qwen_npu_compile.integrations.deltanet.install runs at maybe_compile and when the backend is "
-                "looked up; FLA or a changed transformers refuse it with a warning)")
+        problems = deltanet.setup_problems()
+        cause = (f"the substitution could not be set up: {'; '.join(problems)}" if problems else
+                 "the substitution was not in place when Dynamo traced this frame (qwen_npu_compile.integrations."
+                 "deltanet.install runs at maybe_compile and when the backend is looked up: a model module imported "
+                 "after both, or the family switched off for that trace)")
+        return (f"the chunked delta rule was traced as Python (transformers' torch_chunk_gated_delta_rule), not "
+                f"{gated_delta_rule.NAME}: {cause}")

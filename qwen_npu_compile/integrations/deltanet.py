@@ -122,10 +122,22 @@ def _versions() -> str:
     return f"transformers {transformers.__version__}" + (f", verl {getattr(verl, '__version__', '?')}" if verl else "")
 
 
+#: Why a substitution could not be set up, by key: the one warning's text, also named by the family's near miss.
+_setup_problems: dict[str, str] = {}
+
+
 def _refuse(key: str, reason: str) -> None:
     if key not in _refused:
         _refused.add(key)
-        log.warning("qwen_npu: the Gated DeltaNet keeps its traced Python code (%s): %s (%s)", key, reason, _versions())
+        _setup_problems[key] = f"{key}: {reason} ({_versions()})"
+        log.warning("qwen_npu: the gated_delta_rule family cannot fuse the Gated DeltaNet, which keeps its traced "
+                    "Python code (%s): %s (%s)", key, reason, _versions())
+
+
+def setup_problems() -> list[str]:
+    """Why substitutions could not be set up in this process (one line each; empty when all were): what a graph
+    whose delta rule was traced as Python names as the cause (``patterns/gated_delta_rule.py``)."""
+    return list(_setup_problems.values())
 
 
 def _unsubstituted(function: types.FunctionType) -> types.FunctionType:

@@ -117,6 +117,9 @@ class LayerRecord:
         calls: the layer's calls so far by path: ``compiled`` (the compiled ``__call__``),
             ``checkpointed`` (activation checkpointing: eager checkpoint around the compiled forward),
             ``eager`` (a KV cache was passed).
+        expected: per enabled family, the fusions one graph of this layer's kind declares
+            (``qwen_npu_compile.patterns.expected_fusions(..., per_layer=True)``); empty where the model's config
+            is not one the families know.
     """
 
     name: str
@@ -125,6 +128,18 @@ class LayerRecord:
     calls: dict[str, int] = dataclasses.field(
         default_factory=lambda: {"compiled": 0, "checkpointed": 0, "eager": 0}
     )
+    expected: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def shortfall(self) -> dict[str, tuple[int, int, bool]]:
+        """Families whose fusions over the graphs this layer has run fall short of :attr:`expected`:
+        ``{family: (fused, expected, whether a refusal names why)}`` (fusions counted with what a monkey patch
+        had already fused)."""
+        short = {}
+        for family, want in self.expected.items():
+            got = sum(r.fusions.get(family, 0) + r.already_fused.get(family, 0) for r in self.reports)
+            if got < want:
+                short[family] = (got, want, any(x.family == family for r in self.reports for x in r.refused))
+        return short
 
     def note(self, reports: tuple[GraphReport, ...]) -> None:
         """Add ``reports`` (a graph this layer just ran) unless already recorded."""
@@ -301,10 +316,28 @@ class _Compiler:
         self._first_pass_done = True
         with_graphs = sum(1 for record in self.records if record.reports)
         missing = "" if with_graphs == len(self.records) else f" ({_no_graph_cause(None)[0]})"
+        level = self.first_pass_level if with_graphs == len(self.records) else max(self.first_pass_level, logging.WARNING)
+        fusions = ""
+        judged = [record for record in self.records if record.expected and record.reports]
+        if judged:
+            shorts = {record.name: record.shortfall() for record in judged}
+            short = {name: families for name, families in shorts.items() if families}
+            fusions = f"; {len(judged) - len(short)} of {len(judged)} reached their expected fusions"
+            if short:
+                # a refused fusion already logged its reason; a shortfall nobody explained is a lost fusion: warn
+                silent = any(not explained for families in short.values() for *_, explained in families.values())
+                if silent:
+                    level = max(level, logging.WARNING)
+                named = [f"{name}: " + ", ".join(
+                    f"{family} {got} of {want}{'' if explained else ' (no reason recorded)'}"
+                    for family, (got, want, explained) in families.items()) for name, families in short.items()]
+                fusions += f" ({'; '.join(named[:3])}{'; ...' if len(named) > 3 else ''}"
+                fusions += ("; QWEN_NPU_DUMP_DIR=<dir> keeps the graphs)" if silent else
+                            "; each refusal's reason was logged)")
         log.log(
-            self.first_pass_level if with_graphs == len(self.records) else max(self.first_pass_level, logging.WARNING),
-            "qwen_npu: %s%d of %d decoder layer(s) of %s produced qwen_npu graphs at their first call%s",
-            self.first_pass_prefix, with_graphs, len(self.records), self.model_name, missing,
+            level,
+            "qwen_npu: %s%d of %d decoder layer(s) of %s produced qwen_npu graphs at their first call%s%s",
+            self.first_pass_prefix, with_graphs, len(self.records), self.model_name, missing, fusions,
         )
 
     def compile_kwargs(self) -> dict:
@@ -605,7 +638,8 @@ def maybe_compile(
         if existing is not None:
             log.warning("qwen_npu: decoder layer %s was already compiled (%r); recompiling it with qwen_npu",
                         name, existing)
-        record = LayerRecord(name=name, class_name=_layer_class_name(layer))
+        record = LayerRecord(name=name, class_name=_layer_class_name(layer),
+                             expected=_expected_per_layer(model, layer, config.fusions))
         # what nn.Module.compile does, without looking torch.compile up (MindSpeed replaces it)
         compiled = compiler.compile(layer._call_impl)
         layer._compiled_call_impl = _CompiledLayerCall(layer, record, compiled, compiler)
@@ -630,6 +664,23 @@ def maybe_compile(
     if result.varlen:
         log.info("qwen_npu: packed micro-batches run varlen attention (%s)", "; ".join(result.varlen))
     return result
+
+
+def _expected_per_layer(model: nn.Module, layer: nn.Module, families) -> dict[str, int]:
+    """The fusions one graph of ``layer`` declares for the enabled ``families`` (empty where ``model`` has no
+    config the families can read: the summary then judges graphs only)."""
+    from ..patterns import expected_fusions
+
+    config = getattr(model, "config", None)
+    # hybrid models name a decoder layer's kind block_type (Qwen3.5, Qwen3-Next) or layer_type; its DeltaNet is
+    # linear_attn
+    kind = getattr(layer, "block_type", None) or getattr(layer, "layer_type", None)
+    if not isinstance(kind, str):
+        kind = "linear_attention" if hasattr(layer, "linear_attn") else None
+    try:
+        return expected_fusions(config, families, per_layer=True, layer_type=kind)
+    except Exception:  # a config the families do not know must not stop maybe_compile
+        return {}
 
 
 def _layer_class_name(layer: nn.Module) -> str:

@@ -99,7 +99,10 @@ def _eager_resolves_fla_now(monkeypatch):
     from transformers.integrations import hub_kernels
     from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
 
-    torch_function = modeling.torch_chunk_gated_delta_rule.__wrapped__
+    from qwen_npu_compile.integrations import deltanet
+
+    # the hub wrapper's torch function (with kernels installed, the wrapper sits inside a kernels Func module)
+    torch_function = deltanet.resolve_binding(modeling.torch_chunk_gated_delta_rule)[0].__wrapped__
     decorate = hub_kernels.use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", "fla")
     monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", decorate(torch_function))
 

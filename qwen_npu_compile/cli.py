@@ -187,9 +187,10 @@ def run_check(args: argparse.Namespace) -> dict:
 #: transformers' warnings that the Gated DeltaNet layers (Qwen3.5, Qwen3-Next) run its PyTorch reference code
 #: because GPU kernel packages are not installed: transformers 5.2x (``integrations/hub_kernels.py``, one per
 #: package: ``causal_conv1d``, ``flash-linear-attention``) and earlier (``modeling_qwen3_5/next.py``, "The fast path
-#: is not available ...").
-_KERNEL_FALLBACK = re.compile(r"is falling back to its reference PyTorch implementation because `([^`]+)` is not "
-                              r"installed|The fast path is not available because one of the required library")
+#: is not available ...").  5.25 adds "is either not installed or doesn't support the device of the inputs".
+_KERNEL_FALLBACK = re.compile(r"is falling back to its reference PyTorch implementation because `([^`]+)` is "
+                              r"(?:either )?not installed|The fast path is not available because one of the required "
+                              r"library")
 
 #: The one line ``check`` prints instead of those warnings.
 KERNEL_FALLBACK_NOTE = (

@@ -217,13 +217,18 @@ def _fla_substitute_for(original):
     def _traced_fla_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                            use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                                            allow_neg_eigval=False, state_v_first=False, cu_seqlens=None,
-                                           cu_seqlens_cpu=None, cp_context=None, **kwargs):
-        """What Dynamo traces for FLA's ``chunk_gated_delta_rule`` (0.5.2 ``fla/ops/gated_delta_rule/chunk.py``,
+                                           cu_seqlens_cpu=None, cp_context=None, chunk_indices=None, **kwargs):
+        """What Dynamo traces for FLA's ``chunk_gated_delta_rule`` (0.5.2 / 0.6.0 ``fla/ops/gated_delta_rule/chunk.py``,
         ``[B, T, H, K]``, per-sequence ``cu_seqlens``) where transformers bound it module-level: the op, which
-        computes what FLA's kernel computes; FLA's options outside the op's contract keep FLA (a graph break)."""
+        computes what FLA's kernel computes; FLA's options outside the op's contract keep FLA (a graph break).
+        0.6.0's ``chunk_indices`` is the chunk table FLA would otherwise derive from ``cu_seqlens``: the op derives
+        its own, so it is dropped."""
+        if chunk_indices is not None:
+            kwargs = {**kwargs, "chunk_indices": chunk_indices}  # only for FLA itself, if it runs
         heads, k_heads = v.shape[-2], k.shape[-2]
         if (not _enabled or heads % k_heads or use_beta_sigmoid_in_kernel or allow_neg_eigval or state_v_first
-                or cp_context is not None or kwargs or (cu_seqlens is not None and q.shape[0] != 1)):
+                or cp_context is not None or set(kwargs) - {"chunk_indices"}
+                or (cu_seqlens is not None and q.shape[0] != 1)):
             return fallback(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
                             state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
@@ -241,7 +246,8 @@ def _fla_substitute_for(original):
 
 def _install_fla(module_name: str) -> str | None:
     """Substitute the FLA ``chunk_gated_delta_rule`` that transformers 5.10.4 / 4.57.6 import module-level (and
-    bind to ``self.chunk_gated_delta_rule``) where FLA is available; its parameters must be 0.5.2's."""
+    bind to ``self.chunk_gated_delta_rule``) where FLA is available; its leading parameters must be 0.5.2's (0.6.0
+    keeps them and adds ``chunk_indices`` after ``cu_seqlens_cpu``, which the substitute accepts and drops)."""
     function = getattr(sys.modules.get(module_name), "chunk_gated_delta_rule", None)
     if function is None or not callable(function):
         return None

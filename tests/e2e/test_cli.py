@@ -145,6 +145,9 @@ def test_transformers_kernel_fallback_warnings_become_one_note(capsys):
                 logger.warning(f"`f` is falling back to its reference PyTorch implementation because `{package}` is "
                                f"not installed. This is correct but much slower; install `{package}` for the kernel.")
             logger.warning("The fast path is not available because one of the required library is not installed.")
+            logger.warning("`chunk_gated_delta_rule` is falling back to its reference PyTorch implementation because "
+                           "`flash-linear-attention` is either not installed or doesn't support the device of the "
+                           "inputs. This is correct but much slower.")  # transformers 5.25's wording
             logger.warning("another warning")
         assert capsys.readouterr().err.count(cli.KERNEL_FALLBACK_NOTE) == 1
         assert seen == ["another warning"]

@@ -303,7 +303,8 @@ def _turbo_changes(before: dict, wrapped: nn.Module, layers: list[str]) -> tuple
         else:
             change = f"{_dotted(cls)}.forward by {_dotted(_forward_function(now))}"
         in_layer = any(name.startswith(layer + ".") for layer in layers)
-        if name in layers or name in ancestors or (in_layer and (now is not module or _takes_layer_arguments(function))):
+        takes_layer_arguments = now is not module or _takes_layer_arguments(function)
+        if name in layers or name in ancestors or (in_layer and takes_layer_arguments):
             unsafe.setdefault(change, []).append(name)
         elif in_layer:
             inside.setdefault(change, []).append(name)

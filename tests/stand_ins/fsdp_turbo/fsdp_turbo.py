@@ -76,7 +76,8 @@ class FSDPTurbo:
     def __init__(self, config, module: torch.nn.Module) -> None:
         plan = config.distributed.fsdp_plan
         if plan.fsdp_implementation != "native":
-            raise NotImplementedError(f"fsdp_implementation={plan.fsdp_implementation!r}: the stand-in has 'native' only")
+            raise NotImplementedError(f"fsdp_implementation={plan.fsdp_implementation!r}: "
+                                      "the stand-in has 'native' only")
         if plan.cpu_offload:
             raise NotImplementedError("cpu_offload: not modelled by the stand-in")
         self.patched = apply_module_patches(config.module_patches)

@@ -13,6 +13,9 @@ option             environment variable    meaning
 ``downstream``     ``QWEN_NPU_DOWNSTREAM`` ``torchair``, ``aot_eager``, ``eager`` or ``inductor``
                                            (default: torchair with real torch_npu, else aot_eager)
 ``strict``         ``QWEN_NPU_STRICT``     raise when an enabled family refused or near-missed a match
+``recompute``      ``QWEN_NPU_RECOMPUTE``  ``none`` (default: save what the backward reads) or ``cheap``
+                                           (recompute the cheap fused ops: norms, rotary, SwiGLU, the
+                                           gated norm; :mod:`qwen_npu_compile.recompute`)
 =================  ======================  ==============================================================
 
 torchair settings (used only when the downstream is ``torchair``; option / environment variable):
@@ -36,6 +39,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from .patterns import FAMILIES  # the registry imports fusion and the ops, never this module
+from .recompute import SETTINGS as RECOMPUTE_SETTINGS
 
 #: Every fusion family this project knows, in pass order: the names of the registry
 #: :data:`qwen_npu_compile.patterns.FAMILIES` (each family is declared once, in its ``patterns/`` file).
@@ -46,6 +50,7 @@ ENV_FUSIONS = "QWEN_NPU_FUSIONS"
 ENV_DUMP_DIR = "QWEN_NPU_DUMP_DIR"
 ENV_DOWNSTREAM = "QWEN_NPU_DOWNSTREAM"
 ENV_STRICT = "QWEN_NPU_STRICT"
+ENV_RECOMPUTE = "QWEN_NPU_RECOMPUTE"
 ENV_TORCHAIR_MODE = "QWEN_NPU_TORCHAIR_MODE"
 ENV_TORCHAIR_DUMP = "QWEN_NPU_TORCHAIR_DUMP"
 ENV_TORCHAIR_RUN_EAGERLY = "QWEN_NPU_TORCHAIR_RUN_EAGERLY"
@@ -61,6 +66,7 @@ _OPTION_TO_ENV = {
     "dump_dir": ENV_DUMP_DIR,
     "downstream": ENV_DOWNSTREAM,
     "strict": ENV_STRICT,
+    "recompute": ENV_RECOMPUTE,
     "torchair_mode": ENV_TORCHAIR_MODE,
     "torchair_dump": ENV_TORCHAIR_DUMP,
     "torchair_run_eagerly": ENV_TORCHAIR_RUN_EAGERLY,
@@ -108,6 +114,8 @@ class QwenNpuConfig:
         torchair_mode: torchair's ``CompilerConfig.mode``, one of :data:`TORCHAIR_MODES`.
         torchair_dump: torchair's GE graph dump type (one of :data:`TORCHAIR_DUMP_TYPES`) or None.
         torchair_run_eagerly: torchair's ``debug.run_eagerly``; None means "off on an NPU, on off-NPU".
+        recompute: what the AOT partition recomputes in the backward instead of saving, one of
+            :data:`RECOMPUTE_SETTINGS` (``"none"``: nothing; ``"cheap"``: the cheap fused ops).
     """
 
     fusions: frozenset[str] = frozenset(ALL_FAMILIES)
@@ -117,6 +125,7 @@ class QwenNpuConfig:
     torchair_mode: str = "max-autotune"
     torchair_dump: str | None = None
     torchair_run_eagerly: bool | None = None
+    recompute: str = "none"
 
     @classmethod
     def from_options(
@@ -200,8 +209,12 @@ class QwenNpuConfig:
 
         eagerly_value, where = pick("torchair_run_eagerly")
         torchair_run_eagerly = None if eagerly_value in (None, "") else parse_bool(eagerly_value, where)
+
+        recompute_value, where = pick("recompute")
+        recompute = "none" if recompute_value in (None, "") else parse_choice(recompute_value, RECOMPUTE_SETTINGS, where)
         return cls(fusions=fusions, dump_dir=dump_dir, downstream=downstream, strict=strict,
-                   torchair_mode=torchair_mode, torchair_dump=torchair_dump, torchair_run_eagerly=torchair_run_eagerly)
+                   torchair_mode=torchair_mode, torchair_dump=torchair_dump, torchair_run_eagerly=torchair_run_eagerly,
+                   recompute=recompute)
 
 
 def dump_dir_problem(path: Path) -> str | None:

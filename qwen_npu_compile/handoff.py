@@ -33,7 +33,7 @@ import warnings
 import torch
 import torch.fx
 
-from . import aot_layout, compat, dump
+from . import aot_layout, compat, dump, recompute
 from .config import QwenNpuConfig, QwenNpuConfigError
 from .report import FusionError, GraphReport, npu_op_counts
 
@@ -88,7 +88,8 @@ def aot_eager_hand_off(gm: torch.fx.GraphModule, example_inputs, report: GraphRe
     backend = aot_autograd(
         fw_compiler=_recording_compiler("forward", report, config),
         bw_compiler=_recording_compiler("backward", report, config),
-        partition_fn=compat.default_partition,  # AOTAutograd's default, made to work on torch 2.9
+        # AOTAutograd's default (made to work on torch 2.9), tagging the cheap fused ops first with recompute="cheap"
+        partition_fn=recompute.partition_fn(config.recompute, compat.default_partition, report.note_recomputed),
     )
     return backend(gm, example_inputs)
 
@@ -219,6 +220,7 @@ def torchair_backend(report: GraphReport, config: QwenNpuConfig):
     compiler_config = torchair_compiler_config(torchair.CompilerConfig(), config, report, offline=offline is not None)
     backend = torchair.get_npu_backend(compiler_config=compiler_config)
     guard_torchair_compiler(compiler_config, _TorchairGuard(report, config))
+    recompute.register_torchair_partition(compiler_config, config.recompute, report.note_recomputed)
     if offline is not None:
         from .torchair_offline import GeResults, watch
 

@@ -72,6 +72,9 @@ class GraphReport:
             it with, because its eager kernel lays it out otherwise than its fake kernel (a torch bug,
             :mod:`qwen_npu_compile.aot_layout`): ``{"graph": "forward" | "backward" | "inference", "node",
             "op", "fake_order", "eager_order", "source"}``.
+        recomputed: with ``recompute="cheap"``, per declared cheap op (``"npu::npu_rms_norm"``), how many of its
+            forward calls the backward recomputes instead of saving (:mod:`qwen_npu_compile.recompute`); empty
+            otherwise or before the AOT partition (inference graphs are not partitioned).
     """
 
     name: str
@@ -92,6 +95,12 @@ class GraphReport:
     downstream_fallbacks: list[dict] = dataclasses.field(default_factory=list)
     ge: object | None = None  # torchair_offline.GeResults
     layout_pins: list[dict] = dataclasses.field(default_factory=list)
+    recomputed: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def note_recomputed(self, counts) -> None:
+        """Record :func:`qwen_npu_compile.recompute.tag_cheap`'s counts of one partition (added up)."""
+        for name, count in counts.items():
+            self.recomputed[name] = self.recomputed.get(name, 0) + count
 
     def as_dict(self) -> dict:
         data = dataclasses.asdict(self)

@@ -23,6 +23,9 @@ import torch
 from ..compat import guard_or_false
 from .define import define_op
 
+#: Ops of this module that ``recompute="cheap"`` may recompute in the backward instead of saving
+#: (:mod:`qwen_npu_compile.recompute`): a residual add fused into npu_rms_norm: memory-bound, no matmul.
+RECOMPUTE_CHEAP: tuple[str, ...] = ("npu::npu_add_rms_norm",)
 ADD_RMS_NORM_SCHEMA = "npu_add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor)"
 
 #: x1/x2/gamma dtypes (one dtype for all three: the contract says gamma's must equal x1's).

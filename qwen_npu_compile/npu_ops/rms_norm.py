@@ -13,6 +13,10 @@ import torch
 from ..compat import guard_or_false
 from .define import define_op
 
+#: Ops of this module that ``recompute="cheap"`` may recompute in the backward instead of saving
+#: (:mod:`qwen_npu_compile.recompute`): one memory-bound pass over the hidden state (reads x and gamma, writes y and
+#: rstd), no matmul.
+RECOMPUTE_CHEAP: tuple[str, ...] = ("npu::npu_rms_norm",)
 RMS_NORM_SCHEMA = "npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)"
 RMS_NORM_BACKWARD_SCHEMA = (
     "npu_rms_norm_backward(Tensor dy, Tensor self, Tensor gamma, Tensor rstd) -> (Tensor, Tensor)"

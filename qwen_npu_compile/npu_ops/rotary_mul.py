@@ -29,6 +29,9 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from ..compat import guard_or_false
 from .define import define_op
 
+#: Ops of this module that ``recompute="cheap"`` may recompute in the backward instead of saving
+#: (:mod:`qwen_npu_compile.recompute`): one elementwise pass over q or k with cos/sin broadcast.
+RECOMPUTE_CHEAP: tuple[str, ...] = ("npu::npu_rotary_mul",)
 ROTARY_MUL_SCHEMA = (
     "npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half', Tensor? rotate=None) -> Tensor"
 )

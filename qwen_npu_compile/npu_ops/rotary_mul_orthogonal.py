@@ -25,6 +25,9 @@ from __future__ import annotations
 import torch
 
 #: The op's qualified name.
+#: Ops of this module that ``recompute="cheap"`` may recompute in the backward instead of saving
+#: (:mod:`qwen_npu_compile.recompute`): npu_rotary_mul with an orthogonality-based backward: the same elementwise forward.
+RECOMPUTE_CHEAP: tuple[str, ...] = ("qwen_npu::rotary_mul_orthogonal",)
 NAME = "qwen_npu::rotary_mul_orthogonal"
 
 

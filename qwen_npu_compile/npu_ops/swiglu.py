@@ -13,6 +13,9 @@ import torch
 from ..compat import guard_or_false
 from .define import define_op
 
+#: Ops of this module that ``recompute="cheap"`` may recompute in the backward instead of saving
+#: (:mod:`qwen_npu_compile.recompute`): one elementwise pass over the gate/up buffer.
+RECOMPUTE_CHEAP: tuple[str, ...] = ("npu::npu_swiglu",)
 SWIGLU_SCHEMA = "npu_swiglu(Tensor self, int dim=-1) -> Tensor"
 SWIGLU_BACKWARD_SCHEMA = "npu_swiglu_backward(Tensor grad_output, Tensor self, int dim=-1) -> Tensor"
 

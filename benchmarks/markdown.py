@@ -583,11 +583,58 @@ def qwen3_5_table(data: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-if __name__ == "__main__":  # python -m benchmarks.markdown benchmarks/results/{kernel_traffic,moe_traffic,qwen3_5_traffic}.json
+_AM_LABELS = {"eager": "eager", "verl": "verl-style", "qwen_npu_none": "qwen_npu none",
+              "qwen_npu_cheap": "qwen_npu cheap", "hf_checkpointing": "HF checkpointing"}
+
+
+def _ms_cell(value) -> str:
+    return "–" if value is None else f"{value:.2f}"
+
+
+def activation_memory_table(data: dict) -> str:
+    """The "Activation memory" tables of docs/performance.md, from ``activation_memory.json``'s payload
+    (``benchmarks/activation_memory.py``): per layer and setting, saved-for-backward MiB per layer per 1k tokens (of
+    which the layer input), against verl-style, the modelled recompute and layer ms (Atlas A2 roofline); then per
+    model the largest micro-batch whose layers' activations fit the budget; then the goals.
+
+    ``python -m benchmarks.markdown benchmarks/results/activation_memory.json`` prints them.
+    """
+    tokens = data["tokens"]
+    out = [f"| layer | setting | MiB / layer / 1k tokens | of which layer input | saved storages | vs verl-style "
+           f"| recompute ms (S={tokens}) | layer ms (S={tokens}) | recompute ÷ qwen_npu none |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for entry in data["layers"].values():
+        rows = entry["settings"]
+        verl = rows["verl"]["mib_per_1k_tokens"]
+        for i, (setting, row) in enumerate(rows.items()):
+            per_1k = row["mib_per_1k_tokens"]
+            input_mib = row["layer_input_bytes"] / MIB * data["per_tokens"] / row["tokens"]
+            layer_ms = row["layer_ms"]["total"] if row["layer_ms"] else None
+            out.append(f"| {entry['label'] if i == 0 else ''} | {_AM_LABELS.get(setting, setting)} | {per_1k:.1f} | "
+                       f"{input_mib:.1f} | {row['storages']} | {per_1k / verl - 1:+.0%} | {row['recompute_ms']:.2f} | "
+                       f"{_ms_cell(layer_ms)} | {row['recompute_fraction']:.1%} |")
+    budget = data["budget_bytes"] / 1024**3
+    out += ["", f"| model (decoder layers) | setting | activation GiB per 1k tokens, all layers "
+            f"| largest micro-batch in {budget:g} GiB (tokens) |", "|---|---|---|---|"]
+    for model, by_setting in data["verl_step"].items():
+        for i, (setting, step) in enumerate(by_setting.items()):
+            per_1k = step["bytes_per_token"] * data["per_tokens"] / 1024**3
+            name = f"{model} ({step['layers']})" if i == 0 else ""
+            out.append(f"| {name} | {_AM_LABELS.get(setting, setting)} "
+                       f"| {per_1k:.2f} | {step['tokens']:,} |")
+    out += ["", "| layer | goal | qwen_npu cheap | vs verl-style | recompute ÷ layer time | holds |", "|---|---|---|---|---|---|"]
+    for key, goal in data["goals"].items():
+        out.append(f"| {data['layers'][key]['label']} | {goal['memory_goal']}, recompute <= 3 % | "
+                   f"{goal['cheap_mib_per_1k_tokens']:.1f} MiB | {-goal['cut_vs_verl']:+.0%} | "
+                   f"{goal['recompute_fraction']:.1%} | {'yes' if goal['holds'] else 'no'} |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":  # python -m benchmarks.markdown benchmarks/results/{kernel_traffic,moe_traffic,qwen3_5_traffic,activation_memory}.json
     import json
     import sys
     from pathlib import Path
 
     payload = json.loads(Path(sys.argv[1]).read_text())
-    renderers = {"moe_traffic": moe_table, "qwen3_5_traffic": qwen3_5_table}
+    renderers = {"moe_traffic": moe_table, "qwen3_5_traffic": qwen3_5_table, "activation_memory": activation_memory_table}
     print(renderers.get(payload.get("kind"), readme_tables)(payload), end="")

@@ -8,7 +8,9 @@ Usage (from the repository root)::
 Parts (``--parts``, default all): ``traffic`` (kernel_traffic.json), ``moe`` (moe_traffic.json: MoE
 decoder layers, ``benchmarks/moe_traffic.py``), ``qwen3_5`` (qwen3_5_traffic.json: Qwen3.5's Gated DeltaNet and
 full-attention layers, ``benchmarks/qwen3_5_traffic.py``), ``compile`` (compile_cost.json), ``registration``
-(registration_cost.json). The markdown summary covers the
+(registration_cost.json), ``activation_memory`` (activation_memory.json: saved-for-backward bytes per decoder layer
+per setting, ``benchmarks/activation_memory.py``; ``--plot`` also draws ``docs/figures/activation_memory.png`` from
+it, which needs matplotlib). The markdown summary covers the
 JSON files present in ``--out``.
 """
 
@@ -24,7 +26,7 @@ if __package__ in (None, ""):  # `python benchmarks/run.py`: make `benchmarks` i
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "benchmarks"  # noqa: A001
 
-from benchmarks import compile_cost, moe_traffic, qwen3_5_traffic, registration, traffic  # noqa: E402
+from benchmarks import activation_memory, compile_cost, moe_traffic, qwen3_5_traffic, registration, traffic  # noqa: E402
 from benchmarks.common import command_line, progress, run_metadata, write_json  # noqa: E402
 from benchmarks.markdown import render_summary  # noqa: E402
 
@@ -34,7 +36,10 @@ PARTS = {
     "qwen3_5": ("qwen3_5_traffic.json", qwen3_5_traffic.run),
     "compile": ("compile_cost.json", compile_cost.run),
     "registration": ("registration_cost.json", registration.run),
+    "activation_memory": ("activation_memory.json", activation_memory.run),
 }
+#: The figure ``--plot`` draws from ``activation_memory.json``.
+FIGURE = Path("docs/figures/activation_memory.png")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)} (default: all)"
     )
+    parser.add_argument("--plot", type=Path, nargs="?", const=FIGURE, default=None,
+                        help=f"after the run, draw the activation-memory figure (default path {FIGURE}; needs matplotlib)")
     args = parser.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(parts) - set(PARTS))
@@ -63,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         if part == "registration" and child is not None:
             payload = child.finish()
             start = child.started
+        elif part == "activation_memory":  # eager's and verl-style's layer times come from the traffic results
+            payload = fn(quick=args.quick, results=args.out)
         else:
             payload = fn(quick=args.quick)
         elapsed = time.perf_counter() - start
@@ -75,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         path = args.out / filename
         if path.exists():
             loaded[part] = json.loads(path.read_text())
+    if args.plot is not None:
+        progress(f"wrote {activation_memory.plot(loaded['activation_memory'], args.plot)}")
     summary = args.out / "summary.md"
     summary.write_text(render_summary(loaded, total_seconds=time.perf_counter() - total_start, command=command))
     progress(f"wrote {summary} (total {time.perf_counter() - total_start:.1f}s)")

@@ -269,3 +269,65 @@ def test_packing_must_fill_one_row():
         traffic.build_graphs(tiny_qwen2_config(), 1, traffic.PACKED_VARIANTS[:1], 2, 40, torch.bfloat16, packing=(8, 32))
     with pytest.raises(ValueError, match="agree"):
         traffic.build_graphs(tiny_qwen2_config(), 1, traffic.PACKED_VARIANTS, 1, 40, torch.bfloat16, packing=(8, 32))
+
+
+# ----------------------------------------------------------------------------------------------------
+# activation memory (benchmarks/activation_memory.py)
+
+
+@pytest.fixture(scope="module")
+def activation_memory(tmp_path_factory):
+    """The quick activation-memory part alone (tiny configs, S = 128, fake vs real on the dense layer)."""
+    out = tmp_path_factory.mktemp("am")
+    assert bench_run.main(["--quick", "--parts", "activation_memory", "--out", str(out)]) == 0
+    return json.loads((out / "activation_memory.json").read_text())
+
+
+def test_activation_memory_structure(activation_memory):
+    from benchmarks import activation_memory as am
+
+    data = activation_memory
+    assert data["kind"] == "activation_memory" and data["meta"]["quick"] is True and data["tokens"] == am.QUICK_TOKENS
+    assert list(data["layers"]) == [case.key for case in am.CASES]
+    for key, entry in data["layers"].items():
+        assert list(entry["settings"]) == list(am.SETTINGS), key
+        for setting, row in entry["settings"].items():
+            assert {"activation_bytes", "activation_excluding_input_bytes", "layer_input_bytes", "constant_bytes",
+                    "storages", "excluded", "tensors", "mib_per_1k_tokens", "layer_ms", "recompute_ms",
+                    "recompute_fraction"} <= set(row), (key, setting)
+            assert row["activation_bytes"] == row["layer_input_bytes"] + row["activation_excluding_input_bytes"]
+            assert row["activation_bytes"] == sum(t["bytes"] for t in row["tensors"])
+        s = entry["settings"]
+        # the compiled settings: what the hooks saw is what the AOT backward graph reads
+        for setting in ("qwen_npu_none", "qwen_npu_cheap"):
+            assert s[setting]["graph"]["intermediate_bytes"] == s[setting]["activation_excluding_input_bytes"]
+        assert s["qwen_npu_none"]["recomputed"] == {} and s["qwen_npu_cheap"]["recomputed"], key
+        assert s["qwen_npu_cheap"]["recompute_ms"] > 0 and s["qwen_npu_cheap"]["recompute_ops"]
+        # non-reentrant checkpointing saves the layer's input, [1, S, H] bf16, and nothing else
+        hidden = {"qwen2.5-7b": 64, "qwen3-30b-a3b": 64}.get(key, 128)
+        assert s["hf_checkpointing"]["activation_bytes"] == s["hf_checkpointing"]["layer_input_bytes"] == \
+            data["tokens"] * hidden * 2
+    assert set(data["verl_step"]) == set(am.MODELS) and set(data["goals"]) == set(data["layers"])
+    for model, by_setting in data["verl_step"].items():
+        assert list(by_setting) == list(am.SETTINGS)
+        assert by_setting["hf_checkpointing"]["tokens"] > by_setting["qwen_npu_cheap"]["tokens"] > 0, model
+    for case, by_setting in data["fake_vs_real"].items():
+        for setting, by_s in by_setting.items():
+            for pair in by_s.values():
+                assert pair["fake"] == pair["real"] and pair["fake_storages"] == pair["real_storages"], (case, setting)
+
+
+def test_activation_memory_dense_order(activation_memory):
+    """cheap < none < eager on the dense layer, per token (the compressed mask, a constant 4 MiB, left out: at the
+    quick run's 128 tokens it would outweigh the rest)."""
+    s = activation_memory["layers"]["qwen2.5-7b"]["settings"]
+    per_token = {name: row["activation_bytes"] - row["constant_bytes"] for name, row in s.items()}
+    assert per_token["qwen_npu_cheap"] < per_token["qwen_npu_none"] < per_token["eager"], per_token
+
+
+def test_activation_memory_docs_table():
+    """docs/performance.md's "Activation memory" tables are the rendering of the committed results."""
+    from benchmarks import markdown
+
+    data = json.loads((ROOT / "benchmarks/results/activation_memory.json").read_text())
+    assert markdown.activation_memory_table(data) in (ROOT / "docs/performance.md").read_text()

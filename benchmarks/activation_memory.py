@@ -238,10 +238,13 @@ def split_saved(saved: SavedStorages, params: Sequence[torch.Tensor], layer_inpu
     """Sort the saved storages into parameters, per-forward shared inputs, the layer input and the layer's own.
 
     Returns:
-        ``{"activation_bytes", "activation_excluding_input_bytes", "layer_input_bytes", "storages",
-        "excluded": {"parameter_bytes", "shared_input_bytes"}, "tensors": [...]}``; bytes are ints, ``tensors``
-        lists every counted storage (``bytes``, ``shape``, ``dtype``, ``producer``: the autograd node that made it,
-        ``role``), largest first.
+        ``{"activation_bytes", "activation_excluding_input_bytes", "layer_input_bytes", "constant_bytes", "storages",
+        "excluded": {"parameter_bytes", "shared_input_bytes"}, "tensors": [...]}``; bytes are ints.
+        ``constant_bytes``: the part of ``activation_bytes`` that does not grow with the tokens, the compressed causal
+        mask (:data:`COMPRESSED_MASK_SHAPE`) a per-layer graph builds and saves. ``tensors`` lists every counted
+        storage (``bytes``, ``shape``, ``dtype``, ``producer``: the autograd node that made it, None for a tensor
+        made without grad or by a compiled graph, whose producers :func:`graph_saved` names; ``role``; ``saved_as``:
+        how many saved tensors view it), largest first.
     """
     param_keys = {_storage_key(p) for p in params}
     input_key = _storage_key(layer_input)
@@ -586,7 +589,7 @@ def verl_step(layers: dict[str, dict], budget: int) -> dict:
             rows = [(layers[k]["layers_in_model"], layers[k]["settings"][setting]) for k in keys]
             parts = [(n, (r["activation_bytes"] - r["constant_bytes"]) / r["tokens"], r["constant_bytes"])
                      for n, r in rows]
-            out[model][setting] = {"layers": sum(n for n, _ in parts), **largest_micro_batch(parts, budget)}
+            out[model][setting] = {"layers": sum(p[0] for p in parts), **largest_micro_batch(parts, budget)}
     return out
 
 
@@ -692,7 +695,9 @@ def plot(data: dict, path: Path) -> Path:
     except ImportError as exc:
         raise SystemExit("the activation-memory plot needs matplotlib: pip install matplotlib") from exc
     layers = data["layers"]
-    fig, axes = plt.subplots(1, len(layers), figsize=(4.2 * len(layers), 4.0))
+    columns = 2
+    fig, grid = plt.subplots(math.ceil(len(layers) / columns), columns, figsize=(10, 8), squeeze=False)
+    axes = grid.flatten()
     markers = {"eager": "o", "verl": "s", "qwen_npu_none": "^", "qwen_npu_cheap": "D", "hf_checkpointing": "v"}
     for ax, (key, entry) in zip(axes, layers.items()):
         for setting, row in entry["settings"].items():
@@ -700,12 +705,15 @@ def plot(data: dict, path: Path) -> Path:
                 continue
             x, y = row["layer_ms"]["total"], row["mib_per_1k_tokens"]
             ax.scatter([x], [y], marker=markers[setting], s=40)
-            ax.annotate(SETTINGS[setting], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+            # verl-style and qwen_npu none sit close together: their labels go below and above the points
+            offset = {"verl": (6, -11), "qwen_npu_none": (-10, 7)}.get(setting, (6, 4))
+            ax.annotate(SETTINGS[setting], (x, y), textcoords="offset points", xytext=offset, fontsize=8)
         ax.set_title(entry["label"], fontsize=10)
         ax.set_xlabel(f"modelled layer time, ms (A2 roofline, S={data['tokens']})", fontsize=8)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("activation memory, MiB / layer / 1k tokens")
+        ax.set_ylabel("activation memory, MiB / layer / 1k tokens", fontsize=8)
+        ax.margins(x=0.15)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -325,7 +325,7 @@ def plot(result: dict, path: Path) -> None:
             bottom.semilogy(steps, [max(d, floor) for d in values], style, color=color, lw=1, ms=3,
                             label=f"{label} (max {max(values):.1e})")
         bottom.legend(fontsize=7)
-        bottom.set_ylabel("|Δloss|")
+        bottom.set_ylabel("|Δloss| (0 at the floor)")
         bottom.set_xlabel("step")
         bottom.grid(alpha=0.3, which="both")
     fig.suptitle(f"Packed micro-batches (verl use_remove_padding), {meta['steps']} AdamW steps × "

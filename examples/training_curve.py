@@ -31,10 +31,16 @@ sequence as if alone, which is FLA's semantics and what verl means. So Qwen3.5's
 own forward (``position_ids`` 0..n-1) and sums the same per-token losses: the honest yardstick. The curves then
 differ only by rounding (fp32) or by bf16's different rounding orders (``--dtype bf16``).
 
+``--reference`` trains a third copy eagerly one precision up (fp64 for an fp32 run, fp32 for bf16) from the same
+initial weights, and plots each run's |loss difference| to it: AdamW's per-element normalised updates amplify
+rounding-level gradient differences over the steps, and the reference shows whether qwen_npu's curve strays from
+the rounding-free one further than eager's does (docs/performance.md, "Training curves: eager against qwen_npu").
+
     python examples/training_curve.py                    # 30 steps, fp32, both models, JSON + PNG
-    python examples/training_curve.py --dtype bf16 --out-json examples/results/training_curve_bf16.json \\
+    python examples/training_curve.py --reference        # the committed figure: + an fp64 eager run per model
+    python examples/training_curve.py --reference --dtype bf16 --out-json examples/results/training_curve_bf16.json \\
         --out-png docs/figures/training_curve_bf16.png
-    python examples/training_curve.py --quick --out-json /tmp/c.json --out-png /tmp/c.png   # 4 steps, for tests
+    python examples/training_curve.py --quick --out-json out/c.json --out-png out/c.png   # 4 steps, for tests
 
 Prints the fusions of every compiled graph (``qwen_npu_compile`` graph reports: families fused in the forward and
 the fused backward ops of its AOT graph), one line per step, and the largest |loss difference| per model. Without
@@ -153,8 +159,8 @@ def token_nll_sum(model, ids, positions, labels):
 
 
 def micro_batch_loss(model, sequences: list[list[int]], each_alone: bool):
-    """Mean token NLL of one packed micro-batch (0-dim fp32 or fp64, with grad). ``each_alone``: one forward per sequence
-    (position ids 0..n-1) instead of one over the packed row; the same tokens, the same mean."""
+    """Mean token NLL of one packed micro-batch (0-dim fp32 or fp64, with grad). ``each_alone``: one forward per
+    sequence (position ids 0..n-1) instead of one over the packed row; the same tokens, the same mean."""
     if not each_alone:
         total, count = token_nll_sum(model, *packed_row(sequences))
         return total / count

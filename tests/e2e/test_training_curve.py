@@ -4,7 +4,7 @@ as verl compiles) train a tiny Qwen2 and a tiny Qwen3.5 on verl-style packed row
 fp32: every step's losses within 1e-4 relative (measured 2.7e-5 at most, Qwen3.5 on its 4th step: the DeltaNet
 decay gradients' fp32 rounding, which AdamW's normalised updates amplify). bf16: within 1e-2 relative (measured
 5e-4), and qwen_npu's curve no further from the eager fp32 curve than eager bf16's own distance x 2 + 1e-3.
-About 2 minutes on 2 CPU cores.
+1 min 40 s on the shared 2-core host (load 6-8).
 """
 
 from __future__ import annotations

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# transformers 5.25 with its `kernels` hub dependency: the Gated DeltaNet's bindings (a kernels Func module around
+# the hub wrapper), the train()/eval() re-kernelize toggles and the packed-row paths, in a fresh venv.
+#
+#   tools/kernels_hub_check.sh            # exit status: pytest's
+#
+# 1. makes a venv in a temporary folder (deleted on exit, also on failure);
+# 2. installs torch 2.13.0 (the README's pin), transformers 5.25.0 (which requires kernels 0.19.x and
+#    huggingface-hub 2.x), pytest + pytest-xdist, accelerate and protobuf (requirements.txt's pins), and this
+#    project (--no-deps, editable: the qwen_npu backend is registered by entry point);
+# 3. runs the test files whose code paths depend on how transformers binds the delta rule and the conv
+#    (tests/e2e/test_deltanet_bindings.py, test_deltanet_whole_model.py, test_deltanet_packed.py,
+#    test_hybrid_models.py, test_cli.py) in two processes, then the simulated Ascend host's Gated DeltaNet test
+#    (FLA bound by the inputs' device, npu) in a process of its own;
+# 4. prints how long the install and each test run took.
+#
+# Environment: PYTHON (default python3.11, else python3), KERNELS_HUB_KEEP=1 keeps the venv and prints its path.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo=$PWD
+python=${PYTHON:-$(command -v python3.11 || command -v python3)}
+start=$(date +%s)
+tmp=$(mktemp -d -t kernels_hub_check.XXXXXX)
+cleanup() {
+    status=$?
+    if [[ "${KERNELS_HUB_KEEP:-0}" == 1 ]]; then echo "kernels_hub_check: venv kept at $tmp/venv"; else rm -rf "$tmp"; fi
+    echo "kernels_hub_check: total $(( $(date +%s) - start ))s"
+    exit $status
+}
+trap cleanup EXIT
+
+pin() { grep "^$1==" "$repo/requirements.txt"; }
+"$python" -m venv "$tmp/venv"
+pip=("$tmp/venv/bin/python" -m pip --disable-pip-version-check)
+"${pip[@]}" install -q "$(pin torch)" transformers==5.25.0 "$(pin pytest)" "$(pin pytest-xdist)" "$(pin accelerate)" \
+    "$(pin protobuf)"
+"${pip[@]}" install -q --no-deps -e "$repo"
+installed=$(date +%s)
+"$tmp/venv/bin/python" -W ignore -c '
+import importlib.metadata as m
+print("kernels_hub_check: " + ", ".join(f"{d} {m.version(d)}" for d in ("torch", "transformers", "kernels", "huggingface-hub")))'
+echo "kernels_hub_check: install took $(( installed - start ))s"
+
+set +e
+(cd "$repo" && "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile \
+    tests/e2e/test_deltanet_bindings.py tests/e2e/test_deltanet_whole_model.py tests/e2e/test_deltanet_packed.py \
+    tests/e2e/test_hybrid_models.py tests/e2e/test_cli.py)
+status=$?
+tested=$(date +%s)
+echo "kernels_hub_check: tests took $(( tested - installed ))s (pytest exit $status)"
+(cd "$repo" && PYTHONPATH="$repo/tests/ascend_host/stand_in" "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider \
+    tests/ascend_host/test_gated_delta_rule_npu.py)
+sim_status=$?
+echo "kernels_hub_check: simulated Ascend host Gated DeltaNet tests took $(( $(date +%s) - tested ))s (pytest exit $sim_status)"
+[[ $status -ne 0 ]] || status=$sim_status
+set -e
+exit $status

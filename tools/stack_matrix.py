@@ -281,8 +281,8 @@ def run_stack(stack: Stack, python: Path | None, keep: bool, wheelhouse: Path = 
             own_junit = workdir / "junit.xml"
             log(f"{stack.name}: running pytest -m {selection!r} ({installed})")
             proc = subprocess.run([str(python), "-m", "pytest", "-q", "-m", selection, "-p", "no:cacheprovider", "-n", "2",
-                                   "--dist", "worksteal", "-o", "junit_family=xunit1", f"--junitxml={own_junit}"], cwd=ROOT,
-                                  env=test_env)
+                                   "--dist", "worksteal", "-o", "junit_family=xunit1", f"--junitxml={own_junit}"],
+                                  cwd=ROOT, env=test_env)
             if test_env:
                 record["torch_npu_wheel"] = Path(test_env["QWEN_NPU_TORCH_NPU_WHEEL"]).name
             record["cases"] = _cases(own_junit) if own_junit.exists() else []
@@ -379,8 +379,8 @@ def render_table(records: list[dict]) -> str:
         if ge and "skipped" in ge:
             cells.append(f"not run: {ge['skipped']}")
         else:
-            cells.append(f"{ge['passed']}/{ge['runs']} settings convert (torchair of torch_npu {', '.join(releases) or '?'})"
-                         if ge else "not run")
+            cells.append(f"{ge['passed']}/{ge['runs']} settings convert "
+                         f"(torchair of torch_npu {', '.join(releases) or '?'})" if ge else "not run")
         if "error" in record:
             cells = [f"error: {record['error'][:60]}", "—", "—", "—"]
         # which compatibility suite (Stack.tests); records from before the core subset ran all of it
@@ -421,8 +421,9 @@ def table(args: argparse.Namespace) -> int:
 # --- the drift canary: the newest releases (``newest``) --------------------------------------------------------------
 
 #: What the canary resolves, in the order of its row: the registry's newest final release of each; torch_npu
-#: too, not installed (it needs CANN): where it does not pair with the newest torch, the wheel-contract cases read
-#: its wheel (``QWEN_NPU_TORCH_NPU_WHEEL``), as the matrix's stack ahead of Ascend does
+#: too, not installed (it needs CANN): where it does not pair with the newest torch, the wheel-contract cases and
+#: the stand-in torch_npu of the simulated Ascend host read its wheel (``QWEN_NPU_TORCH_NPU_WHEEL``), as the
+#: matrix's stack ahead of Ascend does
 NEWEST_PACKAGES = ("torch", "transformers", "flash-linear-attention", "fla-core", "verl", "torch-npu")
 #: where the canary reads a package's releases (PyPI's JSON API; ``$QWEN_NPU_PYPI_JSON`` for a mirror that serves it)
 PYPI_JSON = os.environ.get("QWEN_NPU_PYPI_JSON", "https://pypi.org/pypi")
@@ -583,29 +584,31 @@ def newest(args: argparse.Namespace) -> int:
         subprocess.run([sys.executable, "-m", "venv", str(workdir / "venv")], check=True)
         python = workdir / "venv" / "bin" / "python"
         requirements = [f"{name}=={versions[name]}" for name in NEWEST_PACKAGES if name not in ("verl", "torch-npu")]
-        _install_from_wheelhouse(python, Path(args.wheelhouse), [*requirements, PYTEST_PIN, XDIST_PIN, PROTOBUF_PIN],
-                                 env=lifted)
+        # accelerate (its newest, unpinned): the Trainer case of the compatibility suite skips without it
+        _install_from_wheelhouse(python, Path(args.wheelhouse),
+                                 [*requirements, "accelerate", PYTEST_PIN, XDIST_PIN, PROTOBUF_PIN], env=lifted)
         _pip(python, "install", "-q", "--no-deps", "-e", str(ROOT), env=lifted)
     except subprocess.CalledProcessError as exc:
         problems.append(f"install failed ({exc})")
     test_env = None
     if not problems and _minor(versions["torch-npu"]) != _minor(versions["torch"]):
         notes.append(f"no torch_npu for torch {'.'.join(map(str, _minor(versions['torch'])))}: the wheel contracts "
-                     f"read torch_npu {versions['torch-npu']}'s")
+                     f"and the simulated Ascend host read torch_npu {versions['torch-npu']}'s wheel")
         try:
             test_env = _wheel_env(python, versions["torch-npu"])
         except subprocess.CalledProcessError as exc:
-            problems.append(f"torch_npu {versions['torch-npu']}'s wheel could not be obtained ({exc.stderr.strip()[-160:]})")
+            problems.append(f"torch_npu {versions['torch-npu']}'s wheel could not be obtained "
+                            f"({exc.stderr.strip()[-160:]})")
     if not problems:
         problems += _canary_checks(python, workdir, test_env)
     if not args.keep:
         _remove_in_background(workdir)
-        wait_for_removals()
     row = render_canary_row(day, versions, problems, notes)
-    print(row)
+    print(row, flush=True)
     if args.write:
         TABLE_PAGE.write_text(insert_canary_row(TABLE_PAGE.read_text(), row))
         log(f"newest: wrote the row into {TABLE_PAGE.relative_to(ROOT)}")
+    wait_for_removals()  # the venv (~6 GB) takes a minute or more to delete; the row is out already
     return 1 if problems else 0
 
 
@@ -645,8 +648,8 @@ def _minor(version: str) -> tuple[int, ...]:
 
 
 def _canary_checks(python: Path, workdir: Path, test_env: dict[str, str] | None = None) -> list[str]:
-    """The canary's checks in the built environment (``test_env``: the compatibility suite's environment); one line
-    per problem."""
+    """The canary's checks in the built environment (``test_env``: the environment of the compatibility suite and the
+    simulated Ascend host, which read a torch_npu wheel); one line per problem."""
     problems = []
     junit = workdir / "junit.xml"
     log(f"newest: pytest -m {MARKER!r}")
@@ -667,12 +670,14 @@ def _canary_checks(python: Path, workdir: Path, test_env: dict[str, str] | None 
         if proc.returncode != 0:
             problems.append(f"check {check[0]} exit {proc.returncode} ({_tail_line(proc.stdout + proc.stderr)})")
     log(f"newest: the simulated Ascend host's {CANARY_ASCEND_TEST}")
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "tests" / "ascend_host" / "stand_in"))
+    # the stand-in torch_npu reads the npu op schemas from the same wheel as the wheel-contract cases
+    env = dict(test_env or os.environ, PYTHONPATH=str(ROOT / "tests" / "ascend_host" / "stand_in"))
     proc = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", CANARY_ASCEND_TEST], cwd=ROOT,
                           env=env, capture_output=True, text=True)
     print(proc.stdout[-3000:], proc.stderr[-2000:], sep="\n", flush=True)
     if proc.returncode != 0:
-        problems.append(f"simulated Ascend host Qwen3.5 test exit {proc.returncode} ({_tail_line(proc.stdout)})")
+        problems.append(f"simulated Ascend host Qwen3.5 test exit {proc.returncode} "
+                        f"({_tail_line(proc.stdout) or _tail_line(proc.stderr)})")
     return problems
 
 
@@ -747,7 +752,8 @@ def main(argv: list[str] | None = None) -> int:
                                help="write the dated row into docs/supported-stacks.md's canary section")
     newest_parser.add_argument("--resolve-only", action="store_true", help="print the newest versions and stop")
     newest_parser.add_argument("--pin", action="append", default=[], metavar="NAME=VERSION",
-                               help=f"use this version instead of the newest (NAME one of {', '.join(NEWEST_PACKAGES)})")
+                               help="use this version instead of the newest "
+                                    f"(NAME one of {', '.join(NEWEST_PACKAGES)})")
     newest_parser.add_argument("--keep", action="store_true", help="keep the environment (default: deleted)")
     newest_parser.add_argument("--wheelhouse", default=str(DEFAULT_WHEELHOUSE), help="as for run (default %(default)s)")
     args = parser.parse_args(argv)

@@ -194,8 +194,9 @@ _KERNEL_FALLBACK = re.compile(r"is falling back to its reference PyTorch impleme
 
 #: The one line ``check`` prints instead of those warnings.
 KERNEL_FALLBACK_NOTE = (
-    "note: transformers runs the eager Gated DeltaNet layers with its PyTorch reference code (the CUDA packages "
-    "flash-linear-attention / causal-conv1d are not installed): correct, only slower; nothing to install for check, "
+    "note: transformers runs the eager Gated DeltaNet layers with its PyTorch reference code (the kernel packages "
+    "flash-linear-attention / causal-conv1d are not installed or do not support this device): correct, only slower; "
+    "nothing to install for check, "
     "whose compiled model computes the delta rule with qwen_npu::chunk_gated_delta_rule"
 )
 

@@ -1,7 +1,7 @@
 """The stack-compatibility suite: every family fused, with parity, on whichever torch x transformers runs it.
 
 CI runs this file alone in one virtual environment per supported stack (``tools/stack_matrix.py``:
-``pytest -m stack_compat``; torch 2.7.1 to 2.13.0 x transformers 4.57.6 / 5.10.4 / 5.24.0), and it is
+``pytest -m stack_compat``; torch 2.7.1 to 2.15.0 x transformers 4.57.6 / 5.10.4 / 5.24.0 / 5.25.0), and it is
 part of the primary suite. It uses only what every supported stack has: transformers' real Qwen2
 modeling code on a tiny random config (``qwen_npu_compile.check.models.tiny_qwen2``: hidden 64, 2 layers,
 4 heads, 2 KV heads = GQA), compiled

@@ -38,6 +38,10 @@ log = logging.getLogger("qwen_npu_compile")
 # torch.compile(backend="qwen_npu") imports this module before Dynamo traces a frame: the tracing fixes are
 # in place even where the package was imported before torch (its public names then load lazily).
 compat.install_tracing_fixes()
+if compat.trace_kernels_bookkeeping_under_checkpoint():
+    log.debug("qwen_npu: the kernels package is installed: torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_"
+             "checkpoint set to True, so that gradient-checkpointed layers of transformers >= 5.25 compile and fuse "
+             "(kernels' per-forward bookkeeping, a set and restore of one attribute, is not replayed in the backward)")
 
 _DUMP_HINT = "set QWEN_NPU_DUMP_DIR=<dir> (or options={'dump_dir': ...}) and read <dir>/summary.json for the reasons"
 

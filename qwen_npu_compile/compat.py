@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import inspect
 import logging
 import re
@@ -295,6 +296,30 @@ def install_tracing_fixes() -> None:
     register = getattr(handler, "register_start_callback", None)
     if register is not None:
         register(lambda *args: transformers_version_probes_constant() and None)
+
+
+def trace_kernels_bookkeeping_under_checkpoint() -> bool:
+    """Let Dynamo trace, inside activation-checkpointed regions, the per-forward bookkeeping of the ``kernels``
+    package (transformers 5.25's hard dependency); True when this changed the setting.
+
+    kernels 0.19's ``use_kernelized_func`` wraps the forward of every module it decorates (transformers 5.25: the
+    attention of each Qwen model, the Gated DeltaNet) in a ``CompileableContextVar.set`` / ``reset`` pair, which
+    under ``torch.compile`` writes a Python attribute (``kernels/_internals/layer/layer.py``). transformers 5.25
+    checkpoints each decoder layer's ``forward`` (``GradientCheckpointingLayer``), so with gradient checkpointing
+    that write lands inside a ``tag_activation_checkpoint`` region, where Dynamo refuses side effects: every
+    checkpointed layer graph-breaks and runs eagerly, unfused, in a whole-model ``torch.compile`` (nothing would
+    say so). ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` (torch's own switch for this,
+    named in its error) traces them in the forward without replaying them in the backward's recompute: the pair
+    sets and restores the same attribute, so there is nothing to replay. Set only where ``kernels`` is installed
+    and the switch exists (torch >= 2.6) and is off; per-layer compiles (``maybe_compile``) never meet the case.
+    """
+    config = torch._dynamo.config
+    if importlib.util.find_spec("kernels") is None or not hasattr(config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        return False
+    if config.skip_fwd_side_effects_in_bwd_under_checkpoint:
+        return False
+    config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    return True
 
 
 # --------------------------------------------------------------------------------------------------

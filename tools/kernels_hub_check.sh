@@ -31,6 +31,7 @@ trap cleanup EXIT
 
 pin() { grep "^$1==" "$repo/requirements.txt"; }
 "$python" -m venv "$tmp/venv"
+export PATH="$tmp/venv/bin:$PATH"  # the console script, as an activated venv has it (tests/e2e/test_cli.py)
 pip=("$tmp/venv/bin/python" -m pip --disable-pip-version-check)
 "${pip[@]}" install -q "$(pin torch)" transformers==5.25.0 "$(pin pytest)" "$(pin pytest-xdist)" "$(pin accelerate)" \
     "$(pin protobuf)"

@@ -132,13 +132,15 @@ class LayerRecord:
 
     def shortfall(self) -> dict[str, tuple[int, int, bool]]:
         """Families whose fusions over the graphs this layer has run fall short of :attr:`expected`:
-        ``{family: (fused, expected, whether a refusal names why)}`` (fusions counted with what a monkey patch
-        had already fused)."""
+        ``{family: (fused, expected, whether a refusal, or a graph compiled unfused, names why)}`` (fusions counted
+        with what a monkey patch had already fused)."""
         short = {}
+        unfused = any(r.fallback for r in self.reports)  # a graph compiled unfused has logged its own warning
         for family, want in self.expected.items():
             got = sum(r.fusions.get(family, 0) + r.already_fused.get(family, 0) for r in self.reports)
             if got < want:
-                short[family] = (got, want, any(x.family == family for r in self.reports for x in r.refused))
+                short[family] = (got, want,
+                                 unfused or any(x.family == family for r in self.reports for x in r.refused))
         return short
 
     def note(self, reports: tuple[GraphReport, ...]) -> None:

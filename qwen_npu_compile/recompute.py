@@ -11,7 +11,8 @@ the backward reads is saved (kept alive from the forward to the backward) unless
 
 - the forward calls of the ops whose own module declares them cheap (``RECOMPUTE_CHEAP`` in
   :mod:`qwen_npu_compile.npu_ops`: ``npu_rms_norm``, ``npu_add_rms_norm``, ``npu_swiglu``, ``npu_rotary_mul``,
-  ``qwen_npu::rotary_mul_orthogonal``): one memory-bound pass each, no matmul;
+  ``qwen_npu::rotary_mul_orthogonal``, ``qwen_npu::rotary_mul_aten_backward``): one memory-bound pass each, no
+  matmul;
 - the views, pointwise ops and concatenations fed by a tagged node (the gated norm's ``stack``, a normed hidden
   state reshaped for a projection, ``silu(gate) * up`` epilogues): what the backward reads is usually a view
   of the fused op's output, which would otherwise keep its storage alive.
@@ -43,7 +44,7 @@ log = logging.getLogger("qwen_npu_compile")
 #: The values of option ``recompute`` / ``QWEN_NPU_RECOMPUTE``, default first.
 SETTINGS: tuple[str, ...] = ("none", "cheap")
 #: The op modules that declare ``RECOMPUTE_CHEAP`` (the one place each op's cheapness is stated is its module).
-_OP_MODULES = ("rms_norm", "add_rms_norm", "swiglu", "rotary_mul", "rotary_mul_orthogonal")
+_OP_MODULES = ("rms_norm", "add_rms_norm", "swiglu", "rotary_mul", "rotary_mul_orthogonal", "rotary_mul_aten_backward")
 
 aten = torch.ops.aten
 #: Data-movement ops that follow a tagged node into the recompute (their output aliases or copies its values).

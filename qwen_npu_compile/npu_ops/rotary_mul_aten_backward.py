@@ -33,6 +33,9 @@ from . import rotary_mul_orthogonal
 
 #: The op's qualified name.
 NAME = "qwen_npu::rotary_mul_aten_backward"
+#: Ops of this module that ``recompute="cheap"`` may recompute in the backward instead of saving
+#: (:mod:`qwen_npu_compile.recompute`): npu_rotary_mul's elementwise forward.
+RECOMPUTE_CHEAP: tuple[str, ...] = (NAME,)
 
 
 @torch.library.custom_op(NAME, mutates_args=())

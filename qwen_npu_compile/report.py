@@ -73,8 +73,9 @@ class GraphReport:
             :mod:`qwen_npu_compile.aot_layout`): ``{"graph": "forward" | "backward" | "inference", "node",
             "op", "fake_order", "eager_order", "source"}``.
         recomputed: with ``recompute="cheap"``, per declared cheap op (``"npu::npu_rms_norm"``), how many of its
-            forward calls the backward recomputes instead of saving (:mod:`qwen_npu_compile.recompute`); empty
-            otherwise or before the AOT partition (inference graphs are not partitioned).
+            forward calls were tagged for recompute (:mod:`qwen_npu_compile.recompute`): the backward recomputes each
+            one it reads instead of saving it (a tagged output that leaves the graph, at a graph break, is an output
+            as before); empty otherwise or before the AOT partition (inference graphs are not partitioned).
     """
 
     name: str

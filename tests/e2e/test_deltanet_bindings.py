@@ -82,7 +82,9 @@ def test_an_unknown_binding_is_one_warning_and_the_near_miss_names_it(npu_ops, m
     (report,) = SUMMARY.graphs
     assert report.fusions["gated_delta_rule"] == 0
     reasons = [r.reason for r in report.refused if r.family == "gated_delta_rule"]
-    assert len(reasons) == 2 * 3  # the two triangular solves of each of the 3 DeltaNet layers
+    # a near miss per anchor op of the traced delta rule: transformers >= 5.15's chunked scan solves two triangular
+    # systems per chunk loop (2 per DeltaNet layer); 5.10.4's reference has no such anchor, so no near miss
+    assert len(reasons) == report.anchors.get("gated_delta_rule", 0) == (2 * 3 if RELEASE >= (5, 15) else 0)
     assert all("could not be set up" in reason and "TomorrowsKernel" in reason for reason in reasons)
 
 

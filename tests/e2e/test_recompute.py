@@ -45,7 +45,10 @@ def _models():
 
 
 def _recomputed_expected(report) -> dict:
-    """Every forward call of a declared cheap op in the graph's AOT forward graph is recomputed: its counts there."""
+    """Every forward call of a declared cheap op in the graph's AOT forward graph is recomputed: its counts there
+    (none for a graph without a backward: nothing is partitioned)."""
+    if "backward" not in report.aot_ops:
+        return {}
     calls = {f"npu::{op}": n for op, n in report.aot_ops["forward"].items()}
     calls.update({f"qwen_npu::{op}": n for op, n in report.aot_qwen_npu_ops.get("forward", {}).items()})
     return {name: n for name, n in calls.items() if name in cheap_ops() and n}
@@ -78,6 +81,7 @@ def _step(model, run, ids):
 def test_cheap_recompute_is_bit_identical_and_saves_less(npu_ops, name, build, dtype):
     runs = {}
     for setting in ("none", "cheap"):
+        torch._dynamo.reset()  # each setting compiles from scratch (no automatic-dynamic state of the other)
         model = build(dtype)
         ids = torch.randint(0, model.config.vocab_size, (1, 60), generator=torch.Generator().manual_seed(1))
         compiled = torch.compile(model, backend="qwen_npu", options={"recompute": setting, "strict": True})
@@ -91,12 +95,18 @@ def test_cheap_recompute_is_bit_identical_and_saves_less(npu_ops, name, build, d
     for report in c_reports:
         assert report.recomputed == _recomputed_expected(report)
         # one npu_rms_norm per fused norm and gated norm, one rotary op per fused rotary
-        assert report.recomputed["npu::npu_rms_norm"] == report.fusions["rms_norm"] + report.fusions["rms_norm_gated"]
+        norms = report.fusions["rms_norm"] + report.fusions["rms_norm_gated"]
+        assert report.recomputed.get("npu::npu_rms_norm", 0) == norms
         assert (report.recomputed.get("npu::npu_rotary_mul", 0)
                 + report.recomputed.get("qwen_npu::rotary_mul_orthogonal", 0)) == report.fusions["rotary"]
-        backward = report.aot_ops["backward"]  # the recomputed forward ops run in the backward graph
-        assert backward.get("npu_rms_norm", 0) == report.recomputed.get("npu::npu_rms_norm", 0)
-        assert report.aot_ops["forward"] == reports[c_reports.index(report)].aot_ops["forward"]
+        # the recomputed forward ops run in the backward graph (a graph fragment without a backward has none)
+        backward = report.aot_ops.get("backward", {})
+        # ... each tagged call the backward reads: all of them in one whole-model graph; a graph cut by a break may
+        # hand a tagged output on to the next graph instead (transformers 5.10.4's MoE on CPU weights)
+        tagged = report.recomputed.get("npu::npu_rms_norm", 0)
+        recomputed_in_backward = backward.get("npu_rms_norm", 0)
+        assert recomputed_in_backward == tagged if len(c_reports) == 1 else recomputed_in_backward <= tagged
+        assert report.aot_ops.get("forward") == reports[c_reports.index(report)].aot_ops.get("forward")
     assert c_saved < 0.8 * saved, (c_saved, saved)
 
 

@@ -314,7 +314,8 @@ def trace_kernels_bookkeeping_under_checkpoint() -> bool:
     and the switch exists (torch >= 2.6) and is off; per-layer compiles (``maybe_compile``) never meet the case.
     """
     config = torch._dynamo.config
-    if importlib.util.find_spec("kernels") is None or not hasattr(config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+    switch = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+    if importlib.util.find_spec("kernels") is None or not hasattr(config, switch):
         return False
     if config.skip_fwd_side_effects_in_bwd_under_checkpoint:
         return False

@@ -318,7 +318,9 @@ class _Compiler:
         self._first_pass_done = True
         with_graphs = sum(1 for record in self.records if record.reports)
         missing = "" if with_graphs == len(self.records) else f" ({_no_graph_cause(None)[0]})"
-        level = self.first_pass_level if with_graphs == len(self.records) else max(self.first_pass_level, logging.WARNING)
+        level = self.first_pass_level
+        if with_graphs != len(self.records):
+            level = max(level, logging.WARNING)
         fusions = ""
         judged = [record for record in self.records if record.expected and record.reports]
         if judged:

@@ -4,7 +4,8 @@ Tiny random-weight models of transformers' own modeling code (Qwen2, Qwen3-MoE, 
 with ``recompute`` "none" and "cheap" from the same weights and inputs: logits and every gradient **bit-identical**
 (a deterministic op recomputed gives the same bits), the same fusion counts, exact counts of the recomputed ops
 (``GraphReport.recomputed``: one per fused norm, rotary and SwiGLU), fewer saved bytes (counted with
-``saved_tensors_hooks``, by storage, parameters and attention's fixed compressed mask excluded), and the recomputed forward ops in the AOT backward graph.
+``saved_tensors_hooks``, by storage, parameters and attention's fixed compressed mask excluded), and the
+recomputed forward ops in the AOT backward graph.
 Also under ``maybe_compile`` with HF gradient checkpointing and packed micro-batches (verl's default), through
 ``QWEN_NPU_RECOMPUTE``, and with the torchair downstream off-NPU (GE converts the recomputing backward graph).
 """
@@ -132,7 +133,8 @@ def test_maybe_compile_with_checkpointing_and_packed_rows(npu_ops, monkeypatch):
             recomputed = [r.recomputed for record in layer_reports(model).values() for r in record.reports]
             results[checkpointing, setting] = (logits.detach(), grads, recomputed)
     for checkpointing in (False, True):
-        (logits, grads, none), (c_logits, c_grads, cheap) = results[checkpointing, "none"], results[checkpointing, "cheap"]
+        logits, grads, none = results[checkpointing, "none"]
+        c_logits, c_grads, cheap = results[checkpointing, "cheap"]
         assert torch.equal(logits, c_logits) and all(torch.equal(grads[k], c_grads[k]) for k in grads)
         assert none and all(r == {} for r in none)
         assert cheap and all(r == {"npu::npu_rms_norm": 2, "npu::npu_rotary_mul": 2, "npu::npu_swiglu": 1}

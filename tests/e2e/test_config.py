@@ -40,7 +40,7 @@ def test_parse_fusions(value, expected):
 
 
 @pytest.mark.parametrize("options,env,message", [
-    ({"fusionz": "all", "bogus": 1}, {}, r"unknown option\(s\) \['bogus', 'fusionz'\]; valid options are \['downstream', 'dump_dir', 'fusions', 'strict', 'torchair_dump', 'torchair_mode', 'torchair_run_eagerly'\]"),
+    ({"fusionz": "all", "bogus": 1}, {}, r"unknown option\(s\) \['bogus', 'fusionz'\]; valid options are \['downstream', 'dump_dir', 'fusions', 'recompute', 'strict', 'torchair_dump', 'torchair_mode', 'torchair_run_eagerly'\]"),
     ({"fusions": "rmsnorm"}, {}, r"unknown fusion family \['rmsnorm'\] \(did you mean 'rms_norm'\?\); valid: 'all'"),
     ({"fusions": "rmsnorm,swigly,bogus"}, {}, r"\(did you mean 'rms_norm' for 'rmsnorm', 'swiglu' for 'swigly'\?\)"),
     ({"fusion": "all"}, {}, r"\['fusion'\] \(did you mean 'fusions'\?\); valid options"),
@@ -113,7 +113,7 @@ MAX_TRACEBACK_LINES = 20
      "downstream backend; choose one of ['torchair', 'aot_eager', 'eager', 'inductor']"),
     ({"options": {"fusion": "all"}}, {},
      "qwen_npu_compile.config.QwenNpuConfigError: qwen_npu: unknown option(s) ['fusion'] (did you mean 'fusions'?); "
-     "valid options are ['downstream', 'dump_dir', 'fusions', 'strict', 'torchair_dump', 'torchair_mode', "
+     "valid options are ['downstream', 'dump_dir', 'fusions', 'recompute', 'strict', 'torchair_dump', 'torchair_mode', "
      "'torchair_run_eagerly']"),
     ({}, {"QWEN_NPU_STRICT": "ture"},
      "qwen_npu_compile.config.QwenNpuConfigError: qwen_npu: environment variable QWEN_NPU_STRICT = 'ture' is not a "

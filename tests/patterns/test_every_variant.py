@@ -35,6 +35,7 @@ from packaging.version import Version
 
 from qwen_npu_compile import canonicalize
 from qwen_npu_compile.config import QwenNpuConfig
+from qwen_npu_compile.integrations import deltanet
 from qwen_npu_compile.fuse import FuseResult, fuse
 from qwen_npu_compile.fusion import CompileTarget
 from qwen_npu_compile.patterns import FAMILIES, attention, get_family_pass
@@ -182,7 +183,9 @@ def _fuse_case(case: Case) -> list[FuseResult]:
     model.train(case.train)
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
     compiled = torch.compile(model, backend=backend, dynamic=case.dynamic or None)
-    with torch.set_grad_enabled(case.train):
+    # the corpus is the FX pattern variants': the Gated DeltaNet is traced as transformers' Python, whatever an earlier
+    # test of this process left installed (its substitution, a trace-time step, is tested by the DeltaNet files)
+    with torch.set_grad_enabled(case.train), deltanet.switched(False):
         if case.run == "decode":
             cache = model(input_ids=ids, use_cache=True).past_key_values
             compiled(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)

@@ -163,6 +163,14 @@ def untested_torch_message(version: str | None = None) -> str | None:
     return _untested_message("torch", torch.__version__ if version is None else version, TESTED_TORCH)
 
 
+def _warn_if(message: str | None, category: type[Warning]) -> bool:
+    """Warn ``message`` as ``category`` at the caller of the ``warn_if_untested_*`` function; True when it warned."""
+    if message is None:
+        return False
+    warnings.warn(message, category, stacklevel=3)
+    return True
+
+
 def warn_if_untested_torch(version: str | None = None) -> bool:
     """Warn once (:class:`UntestedTorchWarning`) when torch is outside :data:`TESTED_TORCH`; runs at package import.
 
@@ -173,11 +181,7 @@ def warn_if_untested_torch(version: str | None = None) -> bool:
     Returns:
         True when it warned.
     """
-    message = untested_torch_message(version)
-    if message is None:
-        return False
-    warnings.warn(message, UntestedTorchWarning, stacklevel=2)
-    return True
+    return _warn_if(untested_torch_message(version), UntestedTorchWarning)
 
 
 def installed_transformers_version() -> str | None:
@@ -215,11 +219,7 @@ def warn_if_untested_transformers(version: str | None = None) -> bool:
     Returns:
         True when it warned.
     """
-    message = untested_transformers_message(version)
-    if message is None:
-        return False
-    warnings.warn(message, UntestedTransformersWarning, stacklevel=2)
-    return True
+    return _warn_if(untested_transformers_message(version), UntestedTransformersWarning)
 
 
 def untested_mark(package: str, version: str | None) -> str:
@@ -313,13 +313,10 @@ def trace_kernels_bookkeeping_under_checkpoint() -> bool:
     sets and restores the same attribute, so there is nothing to replay. Set only where ``kernels`` is installed
     and the switch exists (torch >= 2.6) and is off; per-layer compiles (``maybe_compile``) never meet the case.
     """
-    config = torch._dynamo.config
-    switch = "skip_fwd_side_effects_in_bwd_under_checkpoint"
-    if importlib.util.find_spec("kernels") is None or not hasattr(config, switch):
-        return False
-    if config.skip_fwd_side_effects_in_bwd_under_checkpoint:
-        return False
-    config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    config, switch = torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"
+    if importlib.util.find_spec("kernels") is None or getattr(config, switch, True):
+        return False  # no kernels, a torch without the switch, or already on
+    setattr(config, switch, True)
     return True
 
 

@@ -26,9 +26,11 @@ Dynamo's ``RestartAnalysis``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.fx
@@ -220,7 +222,7 @@ def torchair_backend(report: GraphReport, config: QwenNpuConfig):
     compiler_config = torchair_compiler_config(torchair.CompilerConfig(), config, report, offline=offline is not None)
     backend = torchair.get_npu_backend(compiler_config=compiler_config)
     guard_torchair_compiler(compiler_config, _TorchairGuard(report, config))
-    recompute.register_torchair_partition(compiler_config, config.recompute, report.note_recomputed)
+    recompute_in_torchair(compiler_config, config, report)
     if offline is not None:
         from .torchair_offline import GeResults, watch
 
@@ -366,16 +368,20 @@ class _GuardedCompiler:
         return getattr(self._inner, name)
 
 
-_GUARDS: dict[int, tuple[object, _TorchairGuard]] = {}
+#: Per wrapped ``torchair.npu_fx_compiler`` function: compiler config id -> (the config, what wraps its result).
+_PER_CONFIG: dict[str, dict[int, tuple[object, Callable]]] = {}
 
 
-def guard_torchair_compiler(compiler_config, guard: _TorchairGuard) -> None:
-    """Make the graphs torchair compiles with ``compiler_config`` fall back per AOT graph (``guard``).
+def wrap_torchair_result(name: str, compiler_config, wrap: Callable) -> bool:
+    """For ``compiler_config`` only, pass what ``torchair.npu_fx_compiler.<name>(config)`` returns through ``wrap``.
 
-    torchair's backend builds its compiler with ``torchair.npu_fx_compiler.get_compiler(compiler_config)``
-    (torch_npu 2.13.0 ``_npu_backend``); that module function is wrapped once per process so that, for
-    the configs registered here, the compiler it returns is ``guard.wrap(compiler)``. A torchair without
-    that function gets no per-graph guard (the whole-graph fallback of :func:`hand_off` still applies).
+    torchair's backend builds its pieces per ``CompilerConfig`` through module functions of ``npu_fx_compiler``
+    (torch_npu 2.13.0 / 2.14.0 ``_npu_backend``: ``get_compiler``, ``_get_partition_fn``) and takes no hook of ours;
+    the module function ``name`` is wrapped once per process so that, for the configs registered here, its result
+    goes through their ``wrap`` (other configs, e.g. a user's own torchair compiles, get torchair's as it is).
+
+    Returns:
+        False where this torchair has no such function (nothing registered).
     """
     import importlib
 
@@ -383,21 +389,46 @@ def guard_torchair_compiler(compiler_config, guard: _TorchairGuard) -> None:
         module = importlib.import_module("torchair.npu_fx_compiler")
     except ImportError:
         module = None
-    original = getattr(module, "get_compiler", None)
+    original = getattr(module, name, None)
     if original is None:
-        log.debug("qwen_npu: torchair has no npu_fx_compiler.get_compiler; no per-graph fallback")
-        return
+        return False
+    registry = _PER_CONFIG.setdefault(name, {})
     with _FALLBACK_LOCK:
-        _GUARDS[id(compiler_config)] = (compiler_config, guard)
-    if getattr(original, "_qwen_npu_guarded", False):
-        return
+        registry[id(compiler_config)] = (compiler_config, wrap)
+    if getattr(original, "_qwen_npu_per_config", False):
+        return True
 
-    def get_compiler(config=None):
-        compiler = original(config)
+    def per_config(config=None):
+        result = original(config)
         with _FALLBACK_LOCK:
-            entry = _GUARDS.get(id(config))
-        return entry[1].wrap(compiler) if entry is not None and entry[0] is config else compiler
+            entry = registry.get(id(config))
+        return entry[1](result) if entry is not None and entry[0] is config else result
 
-    get_compiler._qwen_npu_guarded = True  # type: ignore[attr-defined]
-    get_compiler.__wrapped__ = original  # type: ignore[attr-defined]
-    module.get_compiler = get_compiler
+    per_config._qwen_npu_per_config = True  # type: ignore[attr-defined]
+    per_config.__wrapped__ = original  # type: ignore[attr-defined]
+    setattr(module, name, per_config)
+    return True
+
+
+def guard_torchair_compiler(compiler_config, guard: _TorchairGuard) -> None:
+    """Make the graphs torchair compiles with ``compiler_config`` fall back per AOT graph (``guard``): the compiler
+    ``npu_fx_compiler.get_compiler`` returns for it is ``guard.wrap(compiler)`` (:func:`wrap_torchair_result`). A
+    torchair without that function gets no per-graph guard (the whole-graph fallback of :func:`hand_off` still
+    applies)."""
+    if not wrap_torchair_result("get_compiler", compiler_config, guard.wrap):
+        log.debug("qwen_npu: torchair has no npu_fx_compiler.get_compiler; no per-graph fallback")
+
+
+def recompute_in_torchair(compiler_config, config: QwenNpuConfig, report: GraphReport) -> None:
+    """Make torchair's AOT step partition the graphs it compiles with ``compiler_config`` through
+    :func:`qwen_npu_compile.recompute.partition_fn` (``config.recompute``): the partitioner
+    ``npu_fx_compiler._get_partition_fn`` returns for it (``default_partition``, or with
+    ``experimental_config.npu_fx_pass`` its joint passes then ``default_partition``) tags first. Its joint-graph
+    mode (``aot_config_enable_joint_graph``) does not partition and is not affected. A torchair without that
+    function recomputes nothing: one warning."""
+    if config.recompute == "none":
+        return
+    tagging = functools.partial(recompute.partition_fn, config.recompute, on_tagged=report.note_recomputed)
+    if not wrap_torchair_result("_get_partition_fn", compiler_config, tagging):
+        log.warning("qwen_npu: recompute=%r: this torchair has no npu_fx_compiler._get_partition_fn to wrap; its AOT "
+                    "step partitions as usual (nothing recomputed)", config.recompute)

@@ -21,25 +21,22 @@ Never attention, matmuls, grouped matmuls or the delta rule (their outputs are s
 op. Recomputing a deterministic op gives the same bits, so values and gradients equal ``recompute="none"``'s
 (``tests/e2e/test_recompute.py``). ``"none"`` (the default) leaves the joint graph untagged: today's partition.
 
-torchair has no partitioner option: :func:`register_torchair_partition` wraps its module-level
-``_get_partition_fn`` (the only hook it has) so that, for this compile's ``CompilerConfig``, the partition it
-returns tags first; GE then converts and runs the recomputed nodes in the backward graph like any other.
+torchair has no partitioner option: the hand-off wraps its module-level ``_get_partition_fn`` (the only hook it
+has; :func:`qwen_npu_compile.handoff.recompute_in_torchair`) so that, for this compile's ``CompilerConfig``, the
+partition it returns is :func:`partition_fn`'s; GE then converts and runs the recomputed nodes in the backward graph
+like any other.
 """
 
 from __future__ import annotations
 
 import importlib
-import logging
 import operator
-import threading
 from collections import Counter
 from collections.abc import Callable
 
 import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
-
-log = logging.getLogger("qwen_npu_compile")
 
 #: The values of option ``recompute`` / ``QWEN_NPU_RECOMPUTE``, default first.
 SETTINGS: tuple[str, ...] = ("none", "cheap")
@@ -135,51 +132,3 @@ def partition_fn(setting: str, partition: Callable, on_tagged: Callable[[Counter
 
     recomputing_partition.__wrapped__ = partition
     return recomputing_partition
-
-
-#: compiler config id -> (the config, its setting, its report callback): which torchair compiles tag.
-_TORCHAIR: dict[int, tuple[object, str, Callable[[Counter], None] | None]] = {}
-_LOCK = threading.Lock()
-
-
-def register_torchair_partition(compiler_config, setting: str,
-                                 on_tagged: Callable[[Counter], None] | None = None) -> bool:
-    """Make torchair's AOT step partition the graphs it compiles with ``compiler_config`` by :func:`partition_fn`.
-
-    torchair chooses its partitioner with ``torchair.npu_fx_compiler._get_partition_fn(compiler_config)``
-    (torch_npu 2.13.0 and 2.14.0: ``default_partition``, or with ``experimental_config.npu_fx_pass`` its joint
-    passes then ``default_partition``); that module function is wrapped once per process so that, for the configs
-    registered here, the partitioner it returns tags first. Its joint-graph mode (``aot_config_enable_joint_graph``)
-    does not partition and is not affected.
-
-    Returns:
-        Whether the partition will tag (False for ``"none"``, or a torchair without that function: one warning).
-    """
-    if setting == "none":
-        return False
-    try:
-        module = importlib.import_module("torchair.npu_fx_compiler")
-    except ImportError:
-        module = None
-    original = getattr(module, "_get_partition_fn", None)
-    if original is None:
-        log.warning("qwen_npu: recompute=%r: this torchair has no npu_fx_compiler._get_partition_fn to wrap; its AOT "
-                    "step partitions as usual (nothing recomputed)", setting)
-        return False
-    with _LOCK:
-        _TORCHAIR[id(compiler_config)] = (compiler_config, setting, on_tagged)
-    if getattr(original, "_qwen_npu_recompute", False):
-        return True
-
-    def _get_partition_fn(config):
-        partition = original(config)
-        with _LOCK:
-            entry = _TORCHAIR.get(id(config))
-        if entry is None or entry[0] is not config:
-            return partition
-        return partition_fn(entry[1], partition, entry[2])
-
-    _get_partition_fn._qwen_npu_recompute = True  # type: ignore[attr-defined]
-    _get_partition_fn.__wrapped__ = original  # type: ignore[attr-defined]
-    module._get_partition_fn = _get_partition_fn
-    return True

@@ -151,25 +151,26 @@ def test_this_stack_imports_without_the_warning():
     assert "UntestedTorchWarning" not in done.stderr and "UntestedTransformersWarning" not in done.stderr
 
 
-def test_import_on_a_newer_torch_prints_one_warning_not_a_traceback():
-    code = "import torch; torch.__version__ = '2.16.0'; import qwen_npu_compile; print('imported')"
+def _import_with(code: str) -> subprocess.CompletedProcess:
+    """``code`` (ending in importing the package and printing 'imported') in a fresh interpreter, warnings shown."""
     env = {key: value for key, value in os.environ.items() if key != "PYTHONWARNINGS"}
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "imported"
+    return done
+
+
+def test_import_on_a_newer_torch_prints_one_warning_not_a_traceback():
+    done = _import_with("import torch; torch.__version__ = '2.16.0'; import qwen_npu_compile; print('imported')")
     lines = [line for line in done.stderr.splitlines() if "UntestedTorchWarning" in line]
     assert len(lines) == 1, done.stderr
     assert "torch 2.16.0 is newer than the tested range" in lines[0] and "Traceback" not in done.stderr
 
 
 def test_import_on_a_newer_transformers_prints_one_warning_not_a_traceback():
-    code = ("from importlib import metadata; real = metadata.version; "
-            "metadata.version = lambda name: '5.26.0' if name == 'transformers' else real(name); "
-            "import torch, qwen_npu_compile; print('imported')")
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONWARNINGS"}
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "imported"
+    done = _import_with("from importlib import metadata; real = metadata.version; "
+                        "metadata.version = lambda name: '5.26.0' if name == 'transformers' else real(name); "
+                        "import torch, qwen_npu_compile; print('imported')")
     lines = [line for line in done.stderr.splitlines() if "Untested" in line]
     assert len(lines) == 1, done.stderr
     assert "UntestedTransformersWarning: qwen_npu_compile: transformers 5.26.0 is newer than the tested range" in lines[0]

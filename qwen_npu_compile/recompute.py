@@ -43,6 +43,11 @@ SETTINGS: tuple[str, ...] = ("none", "cheap")
 #: The op modules that declare ``RECOMPUTE_CHEAP`` (the one place each op's cheapness is stated is its module).
 _OP_MODULES = ("rms_norm", "add_rms_norm", "swiglu", "rotary_mul", "rotary_mul_orthogonal", "rotary_mul_aten_backward")
 
+#: The checkpoint-region id of every node tagged here (``node.meta["ac_graph_id"]``, which torch 2.9's partitioner
+#: reads from every tagged node). One id for all: no forced save between two of ours; user regions' ids count from 1
+#: (``torch/_higher_order_ops/wrap.py``), so a tagged node feeding one is saved at that region's boundary.
+AC_GRAPH_ID = 0
+
 aten = torch.ops.aten
 #: Data-movement ops that follow a tagged node into the recompute (their output aliases or copies its values).
 _FOLLOW = frozenset({
@@ -104,6 +109,7 @@ def tag_cheap(joint: torch.fx.GraphModule) -> Counter:
         elif not (_follows(node) and any(i in tagged for i in node.all_input_nodes)):
             continue
         node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+        node.meta["ac_graph_id"] = AC_GRAPH_ID
         tagged.add(node)
     return counts
 

@@ -1,13 +1,14 @@
 """Fusion families, one file each; installed as the subpackage ``qwen_npu_compile.patterns``.
 
 :data:`FAMILIES` is the explicit registry (no import-time side effects): family name -> class, in
-pass order. Everything else about the families is derived from their classes here:
-``qwen_npu_compile.config.ALL_FAMILIES`` (the names), :func:`expected_fusions` (what a model config
+pass order, the order of the one list of names :data:`qwen_npu_compile.config.ALL_FAMILIES` (torch-free, so the
+command line lists families without importing torch). Everything else about the families is derived from their
+classes here: :func:`expected_fusions` (what a model config
 must give, used by ``check`` and the tests) and :func:`backward_ops` (the fused backward op per
 family). See ``README.md`` in this folder for how to add a family.
 
-Import graph: this package imports :mod:`qwen_npu_compile.fusion` and the ops, never
-:mod:`qwen_npu_compile.config` (which imports this registry).
+Import graph: this package imports :mod:`qwen_npu_compile.config`, :mod:`qwen_npu_compile.fusion` and the ops
+(tests/test_layers.py holds the layering).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import functools
 from collections.abc import Iterable
 from typing import Any
 
-from qwen_npu_compile.fusion import FamilyPass, FusionFamily
+from qwen_npu_compile.config import ALL_FAMILIES
+from qwen_npu_compile.fusion.family import FamilyPass, FusionFamily
 
 from .attention import AttentionFamily
 from .gated_delta_rule import GatedDeltaRuleFamily
@@ -26,10 +28,13 @@ from .rms_norm_gated import RmsNormGatedFamily
 from .rotary import RotaryFamily
 from .swiglu import SwiGluFamily
 
-#: Every fusion family, in pass order (a family may rewrite what a later one matches).
-FAMILIES: dict[str, type[FusionFamily]] = {
-    family.name: family for family in (GatedDeltaRuleFamily, RmsNormGatedFamily, RmsNormFamily, MoeFamily, SwiGluFamily, RotaryFamily, AttentionFamily)
-}
+_CLASSES = {family.name: family for family in (
+    GatedDeltaRuleFamily, RmsNormGatedFamily, RmsNormFamily, MoeFamily, SwiGluFamily, RotaryFamily, AttentionFamily)}
+if set(_CLASSES) != set(ALL_FAMILIES):  # a family added in one place only: fail at import, not at the first compile
+    raise ImportError(f"qwen_npu_compile.config.ALL_FAMILIES {list(ALL_FAMILIES)} and the family classes "
+                      f"{sorted(_CLASSES)} differ: declare a new family in both")
+#: Every fusion family, in pass order (:data:`qwen_npu_compile.config.ALL_FAMILIES`).
+FAMILIES: dict[str, type[FusionFamily]] = {name: _CLASSES[name] for name in ALL_FAMILIES}
 
 
 @functools.cache

@@ -23,16 +23,16 @@ FX after::
 
 Unlike the other families, the replacement is not an FX rewrite: the chunk scan is a Python loop over
 ``ceil(T/64)`` chunks, so its traced form depends on ``T`` and no fixed pattern matches it. The op is put in
-place while Dynamo traces (:mod:`qwen_npu_compile.integrations.deltanet`: a ``substitute_in_graph`` of
+place while Dynamo traces (:mod:`qwen_npu_compile.substitutions.deltanet`: a ``substitute_in_graph`` of
 transformers' function, and a takeover of verl's packed forward), with its limits checked by the op
-(:func:`qwen_npu_compile.npu_ops.gated_delta_rule.violation`). This family counts those calls (variant
+(:func:`qwen_npu_compile.ops.qwen_npu.gated_delta_rule.violation`). This family counts those calls (variant
 :data:`SUBSTITUTED_VARIANT`) and reports a traced delta rule (its ``linalg_solve_triangular`` anchors) as a
 near miss that says why.
 
 Packed rows: the op gets the row's offsets wherever the caller has them (verl's ``cu_seqlens``, transformers'
 ``cu_seq_lens_q``, FLA's ``cu_seqlens``, or the sequence ends ``maybe_compile``'s pre-hook proves from
 ``position_ids``) and runs each sequence from a zero state, as if alone (FLA's semantics), also where eager
-transformers / verl do not (see :mod:`qwen_npu_compile.integrations.deltanet`). A whole-model
+transformers / verl do not (see :mod:`qwen_npu_compile.substitutions.deltanet`). A whole-model
 ``torch.compile`` of a row packed only by ``position_ids`` reaches this pass with op calls without offsets
 (the decoder layer hands ``position_ids`` to attention only): where the graph holds attention's packing proof,
 :mod:`.gated_delta_rule_packed` gives them the proof's sequence ends and makes their causal conv restart per
@@ -47,9 +47,9 @@ from __future__ import annotations
 
 import torch
 
-from qwen_npu_compile.fusion import FamilyPass, FusionFamily, count_applied
-from qwen_npu_compile.integrations import deltanet
-from qwen_npu_compile.npu_ops import gated_delta_rule
+from qwen_npu_compile.fusion.family import FamilyPass, FusionFamily, count_applied
+from qwen_npu_compile.substitutions import deltanet
+from qwen_npu_compile.ops.qwen_npu import gated_delta_rule
 
 from . import gated_delta_rule_packed
 

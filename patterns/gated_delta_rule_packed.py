@@ -27,7 +27,7 @@ FX after (the offsets and the conv masks once per graph, right after the placeho
     out = b.float()[:, None] + sum_j w.float()[:, :, j] * padded[..., j:j + T] * keep_{K-1-j}   # .to(x.dtype)
     chunk_gated_delta_rule = qwen_npu.chunk_gated_delta_rule.default(q, k, v, g, beta, cu_seqlens, None, scale, True)
 
-The conv is :func:`qwen_npu_compile.integrations.deltanet.packed_causal_conv1d`'s arithmetic (the same taps,
+The conv is :func:`qwen_npu_compile.substitutions.deltanet.packed_causal_conv1d`'s arithmetic (the same taps,
 fp32 accumulation, rounded once to ``x``'s dtype) before the model's own activation; the keep masks are
 "no sequence start within the last ``s`` tokens", by the ``"restart"`` rule the proof establishes (a sequence
 starts where ``diff(position_ids) != 1``: transformers' ``find_packed_sequence_indices``), so conv, delta rule
@@ -41,7 +41,7 @@ an initial state, a batch above 1, not the op's own ``[1, T]`` row, no or severa
 that is not the depthwise causal ``padding = K - 1`` conv sliced back to ``T``) is refused with the reason
 recorded on the op (``check``/``strict`` list it): that row then runs as one sequence, as eager.
 
-Eager differs by design (one warning per process: :func:`~qwen_npu_compile.integrations.deltanet.warn_eager_differs`).
+Eager differs by design (one warning per process: :func:`~qwen_npu_compile.substitutions.deltanet.warn_eager_differs`).
 Not covered: flash_attention_2 (no mask in the graph to prove: transformers derives FA2's offsets with
 ``.item()`` outside it; ``maybe_compile``'s pre-hook covers that path), a DeltaNet inside an
 activation-checkpointed region (the region's body holds no proof), transformers' eager attention rows.
@@ -57,9 +57,9 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
 
-from qwen_npu_compile.fusion import meta_val, node_source
-from qwen_npu_compile.integrations import deltanet
-from qwen_npu_compile.npu_ops import varlen_attention as varlen_ops
+from qwen_npu_compile.fusion.family import meta_val, node_source
+from qwen_npu_compile.substitutions import deltanet
+from qwen_npu_compile.ops.qwen_npu import varlen_attention as varlen_ops
 
 from .attention.packed import RULE, PackedMask, _equal, packed_mask
 

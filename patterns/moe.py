@@ -34,12 +34,12 @@ FX after (the pattern emits ``offs.to(torch.int64)``; :func:`rewrite_routing` th
 
 ``npu_swiglu`` reads the grouped matmul's contiguous ``[S, 2I]`` output directly: the ``cat([gate, up])``
 copy (``[S, 2I]``, also saved for backward) that the swiglu family's ``silu(gate) * up`` variants would
-add is gone. Backward: :mod:`qwen_npu_compile.npu_ops.grouped_matmul` (dx and dW as
+add is gone. Backward: :mod:`qwen_npu_compile.ops.torch_npu.grouped_matmul` (dx and dW as
 ``npu_grouped_matmul``, group_type 0 and 2). Counted: one fusion per grouped matmul, 2 per MoE layer.
 
-Limits: :func:`~qwen_npu_compile.npu_ops.grouped_matmul.grouped_matmul_violation` (int64 group_list,
+Limits: :func:`~qwen_npu_compile.ops.torch_npu.grouped_matmul.grouped_matmul_violation` (int64 group_list,
 <= 1024 experts, InnerLimit 65536, with M too for training graphs) and
-:func:`~qwen_npu_compile.npu_ops.swiglu.swiglu_violation`. The offsets HF computes always end at S (every
+:func:`~qwen_npu_compile.ops.torch_npu.swiglu.swiglu_violation`. The offsets HF computes always end at S (every
 routed row has an expert id in ``[0, E)``), which the kernel requires.
 
 Not covered: transformers 4.57's experts (an ``nn.ModuleList`` looped over with ``nonzero``/``.item()``:
@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from qwen_npu_compile.fusion import (
+from qwen_npu_compile.fusion.family import (
     EMITTED_BY,
     FamilyPass,
     FusionFamily,
@@ -64,8 +64,8 @@ from qwen_npu_compile.fusion import (
     meta_val,
     node_source,
 )
-from qwen_npu_compile.npu_ops import grouped_matmul as gmm
-from qwen_npu_compile.npu_ops.swiglu import swiglu_violation
+from qwen_npu_compile.ops.torch_npu import grouped_matmul as gmm
+from qwen_npu_compile.ops.torch_npu.swiglu import swiglu_violation
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)

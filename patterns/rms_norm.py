@@ -71,7 +71,7 @@ The norm inside Qwen3.5's *gated* RMSNorm (``Qwen3_5RMSNormGated``: ``weight * n
 before this one; where it did not fuse (disabled, refused) this family refuses that norm too, so that the
 counts stay those of :meth:`RmsNormFamily.expected_per_layer`.
 
-Inference graphs (:func:`~qwen_npu_compile.fusion.graph_needs_autograd` is False): after the pattern pass, a fused norm whose
+Inference graphs (:func:`~qwen_npu_compile.fusion.family.graph_needs_autograd` is False): after the pattern pass, a fused norm whose
 input is the residual add ``x1 + x2`` becomes ``npu_add_rms_norm`` (:func:`fuse_residual_adds`)::
 
     add = aten.add.Tensor(residual, linear)                  # also the next residual
@@ -102,11 +102,17 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from qwen_npu_compile.fusion import (FamilyPass, FusionFamily, graph_needs_autograd, meta_val, node_source,
-                                     per_dtype_family)
-from qwen_npu_compile.npu_ops.add_rms_norm import add_rms_norm_violation
-from qwen_npu_compile.npu_ops.rms_norm import rms_norm_violation
-from qwen_npu_compile.npu_ops.scalars import scalar_argument
+from qwen_npu_compile.fusion.family import (
+    FamilyPass,
+    FusionFamily,
+    graph_needs_autograd,
+    meta_val,
+    node_source,
+    per_dtype_family,
+)
+from qwen_npu_compile.ops.torch_npu.add_rms_norm import add_rms_norm_violation
+from qwen_npu_compile.ops.torch_npu.rms_norm import rms_norm_violation
+from qwen_npu_compile.ops.scalars import scalar_argument
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
@@ -158,7 +164,7 @@ def _replace_one_plus(x, weight, eps):
 def check_rms_norm(x, weight) -> str | None:
     """Refusal reason for fusing RMSNorm of ``x`` (FakeTensor) with ``weight``, or None to fuse.
 
-    The op's limits are :func:`~qwen_npu_compile.npu_ops.rms_norm.rms_norm_violation`'s; this adds a
+    The op's limits are :func:`~qwen_npu_compile.ops.torch_npu.rms_norm.rms_norm_violation`'s; this adds a
     1-D weight (HF's) and a non-empty input.
 
     Args:
@@ -244,7 +250,7 @@ def fuse_residual_adds(graph: torch.fx.Graph) -> int:
 
     The add's output is also the residual stream (used after the norm), which a single-output pattern
     cannot express; so this is a direct rewrite of the fused norms the pattern pass left, each checked
-    by :func:`~qwen_npu_compile.npu_ops.add_rms_norm.add_rms_norm_violation` (a refused one stays
+    by :func:`~qwen_npu_compile.ops.torch_npu.add_rms_norm.add_rms_norm_violation` (a refused one stays
     ``npu_rms_norm``, with the reason logged at DEBUG). The caller decides that the graph needs no
     autograd.
 

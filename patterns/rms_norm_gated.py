@@ -48,9 +48,9 @@ a strided ``[..., D:]`` slice. Not done: writing the halves in place (no copy at
 producer, ``in_proj_z``, to be pulled into the pattern through two reshapes; the copy of ``gate`` and
 ``y`` (``2·N·D`` elements each way) is what remains.
 
-Constraints: :func:`~qwen_npu_compile.npu_ops.rms_norm.rms_norm_violation` on ``(h, weight)`` (a (bf16,
+Constraints: :func:`~qwen_npu_compile.ops.torch_npu.rms_norm.rms_norm_violation` on ``(h, weight)`` (a (bf16,
 fp32) pair is the autocast case: ``weight * norm(h)`` is fp32 in eager, ``y`` is rounded to bf16 here,
-one more rounding) and :func:`~qwen_npu_compile.npu_ops.swiglu.swiglu_violation` on the ``[2, N, D]``
+one more rounding) and :func:`~qwen_npu_compile.ops.torch_npu.swiglu.swiglu_violation` on the ``[2, N, D]``
 buffer along dim 0; gate of h's shape and dtype (``stack`` would promote otherwise); weight 1-D. The
 anchor is ``aten.silu`` (the ``rsqrt`` is also the rms_norm family's, which refuses this norm, see
 ``patterns/rms_norm.py``). This family runs before rms_norm.
@@ -63,10 +63,10 @@ import operator
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from qwen_npu_compile.fusion import EMITTED_BY, FamilyPass, FusionFamily, meta_val, per_dtype_family
-from qwen_npu_compile.npu_ops.rms_norm import rms_norm_violation
-from qwen_npu_compile.npu_ops.scalars import scalar_argument
-from qwen_npu_compile.npu_ops.swiglu import swiglu_violation
+from qwen_npu_compile.fusion.family import EMITTED_BY, FamilyPass, FusionFamily, meta_val, per_dtype_family
+from qwen_npu_compile.ops.torch_npu.rms_norm import rms_norm_violation
+from qwen_npu_compile.ops.scalars import scalar_argument
+from qwen_npu_compile.ops.torch_npu.swiglu import swiglu_violation
 
 from .rms_norm import _EPS_CONSTANT, _matched_eps
 
@@ -101,9 +101,9 @@ def check_rms_norm_gated(h, gate, weight) -> str | None:
     """Refusal reason for fusing ``silu(gate) * (weight * rms_norm(h))`` into ``npu_rms_norm`` and
     ``npu_swiglu(stack([gate, y]), 0)`` (FakeTensors), or None to fuse.
 
-    Limits: :func:`~qwen_npu_compile.npu_ops.rms_norm.rms_norm_violation` (torch_npu 2.13.0 ``npu_rms_norm``
+    Limits: :func:`~qwen_npu_compile.ops.torch_npu.rms_norm.rms_norm_violation` (torch_npu 2.13.0 ``npu_rms_norm``
     docs: dtype pairs, gamma of x's trailing shape) and
-    :func:`~qwen_npu_compile.npu_ops.swiglu.swiglu_violation` (``npu_swiglu`` docs: dtype, even size along
+    :func:`~qwen_npu_compile.ops.torch_npu.swiglu.swiglu_violation` (``npu_swiglu`` docs: dtype, even size along
     the split dim, contiguous) on the ``[2, *h.shape]`` buffer ``stack`` builds; plus gate and h of one
     shape and dtype (``stack`` takes no broadcasting, and would promote), a 1-D weight, a non-empty input.
 

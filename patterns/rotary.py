@@ -89,7 +89,7 @@ backward form, or is refused when cos/sin need grad). ``torch_npu.npu_rotary_mul
 rotate a part of the head in one call, but has no backward (torch_npu 2.13.0 docs), so it is not used.
 
 Constraints (torch_npu 2.13.0 ``npu_rotary_mul`` docs, ``shared/reference/npu-op-contracts.md``,
-:mod:`qwen_npu_compile.npu_ops.rotary_mul`): mode ``'half'`` computes exactly HF's
+:mod:`qwen_npu_compile.ops.torch_npu.rotary_mul`): mode ``'half'`` computes exactly HF's
 ``x*cos + rotate_half(x)*sin``; x 4-D, fp16/bf16/fp32, r1/r2 in x's dtype (the stand-in and the Meta
 kernel assume it: HF's fp32-cos-with-bf16-q promotes, the kernel would not); the layout is inferred
 from r1/r2's shape (x BSND takes 1S1D/BS1D/BSND, x BNSD takes 11SD/B1SD/BNSD); D even and < 896;
@@ -104,7 +104,7 @@ size breaks them (``2 <= B <= 999`` for Qwen2). The anchor is ``aten.neg``, whic
 
 torchair downstream, training: the GE converter of ``npu_rotary_mul_backward`` raises unless shapes are
 static, D % 64 == 0 and the broadcast dims multiply to <= 1024 (all limits:
-:func:`~qwen_npu_compile.npu_ops.rotary_mul.rotary_mul_violation`). When cos/sin need no grad and the
+:func:`~qwen_npu_compile.ops.torch_npu.rotary_mul.rotary_mul_violation`). When cos/sin need no grad and the
 graph shows sin built from ``cat((freqs, freqs), -1)`` (:func:`has_equal_halves`, true for HF's
 ``Qwen2RotaryEmbedding``), the rewrite emits ``qwen_npu.rotary_mul_orthogonal`` instead, whose backward
 is ``npu_rotary_mul(grad, cos, -sin)`` (RotaryMul, none of those limits). Otherwise it emits
@@ -124,7 +124,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from qwen_npu_compile.compat import guard_or_false
-from qwen_npu_compile.fusion import (
+from qwen_npu_compile.fusion.family import (
     FamilyPass,
     FusionFamily,
     PatternVariant,
@@ -133,15 +133,15 @@ from qwen_npu_compile.fusion import (
     meta_val,
     region_operands,
 )
-from qwen_npu_compile.graphs import ancestors
-from qwen_npu_compile.npu_ops import rotary_mul_aten_backward, rotary_mul_orthogonal
-from qwen_npu_compile.npu_ops.rotary_mul import rotary_mul_violation
+from qwen_npu_compile.graph.utils import ancestors
+from qwen_npu_compile.ops.qwen_npu import rotary_mul_aten_backward, rotary_mul_orthogonal
+from qwen_npu_compile.ops.torch_npu.rotary_mul import rotary_mul_violation
 
 aten = torch.ops.aten
 
 #: The op the replacement emits: ``npu_rotary_mul``, or the form a torchair training graph needs
-#: (:mod:`~qwen_npu_compile.npu_ops.rotary_mul_orthogonal`,
-#: :mod:`~qwen_npu_compile.npu_ops.rotary_mul_aten_backward`). Set by a variant's check when it accepts a
+#: (:mod:`~qwen_npu_compile.ops.qwen_npu.rotary_mul_orthogonal`,
+#: :mod:`~qwen_npu_compile.ops.qwen_npu.rotary_mul_aten_backward`). Set by a variant's check when it accepts a
 #: match, read by its replacement, which Inductor traces right after the check accepts
 #: (``register_replacement``'s ``check_fn``).
 _EMIT: contextvars.ContextVar[str] = contextvars.ContextVar("qwen_npu_rotary_emit", default="npu_rotary_mul")
@@ -224,7 +224,7 @@ def _replace_partial(x_bsnd, cos, sin):
 def check_rotary(x, r1, r2, layout: str, r_requires_grad: bool | None = None) -> str | None:
     """Refusal reason for ``npu_rotary_mul(x, r1, r2, 'half')`` (FakeTensors), or None to fuse.
 
-    The op's limits are :func:`~qwen_npu_compile.npu_ops.rotary_mul.rotary_mul_violation`'s; this adds
+    The op's limits are :func:`~qwen_npu_compile.ops.torch_npu.rotary_mul.rotary_mul_violation`'s; this adds
     what the rewrite itself needs: tensors, 4-D, not empty, dense (CANN ops read non-contiguous inputs
     wrongly: vllm-ascend #2388, #11834).
 
@@ -263,7 +263,7 @@ def has_equal_halves(node) -> bool:
     scalars or with tensors that themselves have equal halves or broadcast along the last dim
     (``* attention_scaling``), and views that keep the last dim (unsqueeze/squeeze/expand/reshape/
     transpose/slice on other dims). An input of an activation-checkpointed region's body is followed to
-    what the calling graph passes (:func:`~qwen_npu_compile.fusion.region_operands`). Anything else (a
+    what the calling graph passes (:func:`~qwen_npu_compile.fusion.family.region_operands`). Anything else (a
     graph input, an op not listed) is not proven.
     """
     return _equal_halves(node, _MAX_WALK)
@@ -328,9 +328,9 @@ def _requires_grad(node) -> bool:
 def _check_fused(x, r1, r2, layout: str, x_node, cos_node, sin_node) -> str | None:
     """The check of both variants: the op's limits for the kernel, plus, when a backward will run and
     the downstream is torchair, the form GE converts: the orthogonal form (sin with equal halves, cos/sin
-    without grad: :mod:`~qwen_npu_compile.npu_ops.rotary_mul_orthogonal`), else ``npu_rotary_mul`` when its
+    without grad: :mod:`~qwen_npu_compile.ops.qwen_npu.rotary_mul_orthogonal`), else ``npu_rotary_mul`` when its
     backward converter's limits hold, else (cos/sin without grad) the ATen backward
-    (:mod:`~qwen_npu_compile.npu_ops.rotary_mul_aten_backward`); cos/sin that need grad and break the
+    (:mod:`~qwen_npu_compile.ops.qwen_npu.rotary_mul_aten_backward`); cos/sin that need grad and break the
     converter's limits are refused with its reason. Sets :data:`_EMIT` for the replacement when it accepts."""
     r_grad = _requires_grad(cos_node) or _requires_grad(sin_node)
     reason = check_rotary(x, r1, r2, layout, r_grad)

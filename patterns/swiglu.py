@@ -14,7 +14,7 @@ FX before (pre-dispatch ATen)::
 
 FX after, for plain ``aten.linear(x, w)`` gate/up projections without bias on the same ``x``: both
 projections are written into the two contiguous halves of one buffer (``qwen_npu::gate_up_proj``,
-:mod:`qwen_npu_compile.npu_ops.gate_up_proj`: two matmuls with ``out=``, no copy) and ``npu_swiglu``
+:mod:`qwen_npu_compile.ops.qwen_npu.gate_up_proj`: two matmuls with ``out=``, no copy) and ``npu_swiglu``
 splits that buffer along its new leading dim; the parameters and state-dict keys stay as they are::
 
     gate_up_proj = qwen_npu.gate_up_proj.default(x, w_gate, w_up)   # [2, ..., I]: [0] gate, [1] up
@@ -42,8 +42,8 @@ activations are concatenated::
 Constraints (torch_npu 2.13.0 ``npu_swiglu`` docs): A is the *first* half, gate first; the size along
 ``dim`` must be even (2 along dim 0; 2·I along -1) and the input contiguous (``gate_up_proj``'s and
 ``cat``'s outputs are). gate and up must have equal shapes (no broadcasting) and dtypes. The anchor is
-``aten.silu``. The limits live with the ops: :func:`~qwen_npu_compile.npu_ops.swiglu.swiglu_violation`
-and :func:`~qwen_npu_compile.npu_ops.gate_up_proj.gate_up_proj_violation`.
+``aten.silu``. The limits live with the ops: :func:`~qwen_npu_compile.ops.torch_npu.swiglu.swiglu_violation`
+and :func:`~qwen_npu_compile.ops.qwen_npu.gate_up_proj.gate_up_proj_violation`.
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from qwen_npu_compile.fusion import FusionFamily, PatternVariant, meta_val
-from qwen_npu_compile.npu_ops import gate_up_proj
-from qwen_npu_compile.npu_ops.swiglu import swiglu_violation
+from qwen_npu_compile.fusion.family import FusionFamily, PatternVariant, meta_val
+from qwen_npu_compile.ops.qwen_npu import gate_up_proj
+from qwen_npu_compile.ops.torch_npu.swiglu import swiglu_violation
 
 aten = torch.ops.aten
 F = torch.nn.functional

@@ -16,16 +16,16 @@ import sys as _sys
 #: public name -> the submodule that defines it
 _PUBLIC = {
     "ALL_FAMILIES": "config",
-    "CompiledLayers": "integrations.worker",
+    "CompiledLayers": "worker",
     "FusionError": "report",
     "GraphReport": "report",
-    "NpuOpsStatus": "npu_ops",
+    "NpuOpsStatus": "ops",
     "QwenNpuConfig": "config",
     "QwenNpuConfigError": "config",
-    "ensure_npu_ops": "npu_ops",
+    "ensure_npu_ops": "ops",
     "get_reports": "report",
-    "maybe_compile": "integrations.worker",
-    "torch_compile": "torch_compiler",
+    "maybe_compile": "worker",
+    "torch_compile": "integrations.torch_compiler",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -8,8 +8,8 @@ at ``import torch`` time::
                  --emit--> finished graph + report --hand off--> torchair (real torch_npu, or off-NPU
                  conversion check) | aot_eager (default off-NPU) | eager | inductor
 
-canonicalize: :mod:`~qwen_npu_compile.canonicalize`; fuse: :mod:`~qwen_npu_compile.fuse`; emit:
-:mod:`~qwen_npu_compile.emit`; hand off: :mod:`~qwen_npu_compile.handoff`. Reports:
+canonicalize: :mod:`~qwen_npu_compile.graph.canonicalize`; fuse: :mod:`~qwen_npu_compile.fusion.manager`; emit:
+:mod:`~qwen_npu_compile.graph.emit`; hand off: :mod:`~qwen_npu_compile.handoff`. Reports:
 :mod:`~qwen_npu_compile.report`; dumps: :mod:`~qwen_npu_compile.dump`.
 """
 
@@ -24,13 +24,14 @@ from collections.abc import Sequence
 import torch
 import torch.fx
 
-from . import canonicalize, compat, dump, emit
+from qwen_npu_compile.graph import canonicalize, emit
+from qwen_npu_compile import compat, dump
 from .config import ENV_FUSIONS, QwenNpuConfig, QwenNpuConfigError
-from .fuse import FusionPasses, count_fused_in_captured, fuse
-from .fusion import CompileTarget
+from qwen_npu_compile.fusion.manager import FusionPasses, count_fused_in_captured, fuse
+from qwen_npu_compile.fusion.family import CompileTarget
 from .handoff import check_offline_mode, hand_off
-from .integrations import deltanet
-from .npu_ops import NpuOpsStatus, ensure_npu_ops
+from qwen_npu_compile.substitutions import deltanet
+from qwen_npu_compile.ops import NpuOpsStatus, ensure_npu_ops
 from .report import SUMMARY, FusionError, GraphReport, new_graph_name
 
 log = logging.getLogger("qwen_npu_compile")
@@ -103,7 +104,7 @@ def qwen_npu_backend(
             ``mode`` given, or ``downstream="torchair"`` off-NPU with ``torchair_mode="reduce-overhead"``; one
             line, passed by Dynamo to the caller of the compiled model as it is (not as
             ``BackendCompilerFailed``, and without Dynamo's frames: :func:`qwen_npu_compile.compat.through_dynamo`).
-        qwen_npu_compile.torchair_offline.TorchairUnavailableError: ``downstream="torchair"`` off-NPU and
+        qwen_npu_compile.torchair.offline.TorchairUnavailableError: ``downstream="torchair"`` off-NPU and
             the paired torch_npu wheel could not be obtained (no network and none cached).
         FusionError: strict mode and an enabled family refused or near-missed a match, or a stage failed
             (canonicalize, fuse, emit, hand-off, dump, report) where the default falls back with one
@@ -159,7 +160,7 @@ def resolve_downstream(config: QwenNpuConfig, status: NpuOpsStatus) -> str:
     """The downstream backend: the configured one, else torchair with real ops, else aot_eager.
 
     ``torchair`` with simulated ops is the off-NPU conversion check (torchair from the paired torch_npu
-    wheel, see :mod:`qwen_npu_compile.torchair_offline`); the wheel is obtained at the hand-off.
+    wheel, see :mod:`qwen_npu_compile.torchair.offline`); the wheel is obtained at the hand-off.
 
     Raises:
         QwenNpuConfigError: torchair off-NPU with a torchair mode that cannot run there (``reduce-overhead``).
@@ -252,7 +253,7 @@ def compile_unfused(report: GraphReport, gm: torch.fx.GraphModule, stage: str, r
 
 def lift_constants(gm: torch.fx.GraphModule, rewritten: torch.fx.GraphModule, report: GraphReport,
                    config: QwenNpuConfig) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
-    """:func:`qwen_npu_compile.emit.lift_constants` of ``rewritten``; when that raises, the captured ``gm``
+    """:func:`qwen_npu_compile.graph.emit.lift_constants` of ``rewritten``; when that raises, the captured ``gm``
     compiles unfused (emit stage; strict mode raises), its constants lifted if they can be, else left as
     ``get_attr`` (which AOTAutograd, eager and Inductor accept).
 

@@ -15,7 +15,7 @@ option             environment variable    meaning
 ``strict``         ``QWEN_NPU_STRICT``     raise when an enabled family refused or near-missed a match
 ``recompute``      ``QWEN_NPU_RECOMPUTE``  ``none`` (default: save what the backward reads) or ``cheap``
                                            (recompute the cheap fused ops: norms, rotary, SwiGLU, the
-                                           gated norm; :mod:`qwen_npu_compile.recompute`)
+                                           gated norm; :mod:`qwen_npu_compile.handoff.recompute`)
 =================  ======================  ==============================================================
 
 torchair settings (used only when the downstream is ``torchair``; option / environment variable):
@@ -38,12 +38,13 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from .patterns import FAMILIES  # the registry imports fusion and the ops, never this module
-from .recompute import SETTINGS as RECOMPUTE_SETTINGS
-
-#: Every fusion family this project knows, in pass order: the names of the registry
-#: :data:`qwen_npu_compile.patterns.FAMILIES` (each family is declared once, in its ``patterns/`` file).
-ALL_FAMILIES: tuple[str, ...] = tuple(FAMILIES)
+#: Every fusion family this project knows, in pass order (a family may rewrite what a later one matches). The one
+#: list of names: the registry :data:`qwen_npu_compile.patterns.FAMILIES` is built from it (each family's class in
+#: its ``patterns/`` file), so this module, ``qwen-npu-compile --help`` and ``report`` need no torch.
+ALL_FAMILIES: tuple[str, ...] = ("gated_delta_rule", "rms_norm_gated", "rms_norm", "moe", "swiglu", "rotary", "attention")
+#: The values of option ``recompute`` / ``QWEN_NPU_RECOMPUTE``, default first (what each does:
+#: :mod:`qwen_npu_compile.handoff.recompute`).
+RECOMPUTE_SETTINGS: tuple[str, ...] = ("none", "cheap")
 DOWNSTREAMS: tuple[str, ...] = ("torchair", "aot_eager", "eager", "inductor")
 
 ENV_FUSIONS = "QWEN_NPU_FUSIONS"

@@ -2,7 +2,7 @@
 process-wide list of them (:func:`get_reports`).
 
 The report is filled along the pipeline, canonicalize → fuse → emit → hand off: the canonicalize and
-fuse timings, the fuse stage's counts and refusals (recorded by :func:`qwen_npu_compile.emit.record`),
+fuse timings, the fuse stage's counts and refusals (recorded by :func:`qwen_npu_compile.graph.emit.record`),
 the npu ops of the AOT / GE graphs (hand off). Writing it to disk (``report.json`` per graph, the dump
 folder's ``summary.json``) is :mod:`qwen_npu_compile.dump`'s job.
 
@@ -11,7 +11,7 @@ folder's ``summary.json``) is :mod:`qwen_npu_compile.dump`'s job.
 ``{variant name: replacements applied}`` for the variants that matched, e.g.
 ``{"rms_norm_half": 5, "swiglu_linear_silu_left": 2}``; per family they add up to ``fusions``.
 Field ``layout_pins`` (added in issue 25): the AOT graph nodes pinned to their traced layout
-(:mod:`qwen_npu_compile.aot_layout`). Fields ``fallback_stage`` and ``downstream_fallbacks`` (added in issue 21): the stage whose failure made
+(:mod:`qwen_npu_compile.handoff.aot_layout`). Fields ``fallback_stage`` and ``downstream_fallbacks`` (added in issue 21): the stage whose failure made
 the graph compile unfused, and every time the downstream backend failed and the graph ran one step
 further down (``torchair`` → ``aot_eager`` → ``eager``; :mod:`qwen_npu_compile.handoff`).
 """
@@ -26,7 +26,7 @@ from collections import Counter
 
 import torch
 
-from .fusion import Refusal
+from qwen_npu_compile.fusion.family import Refusal
 
 log = logging.getLogger("qwen_npu_compile")
 
@@ -66,14 +66,14 @@ class GraphReport:
             "source": model source line, "error": "<type>: <message>"}``.
         ge: torchair's FX→GE conversion of this graph when the downstream is torchair off-NPU (torch_npu
             version, GE op counts per GE graph, every node that failed to convert), else None; a
-            ``qwen_npu_compile.torchair_offline.GeResults`` (not imported here: torchair_offline imports
+            ``qwen_npu_compile.torchair.offline.GeResults`` (not imported here: torchair_offline imports
             this module, never the other way round).
         layout_pins: every node of the AOT graphs whose output was copied to the layout AOTAutograd traced
             it with, because its eager kernel lays it out otherwise than its fake kernel (a torch bug,
-            :mod:`qwen_npu_compile.aot_layout`): ``{"graph": "forward" | "backward" | "inference", "node",
+            :mod:`qwen_npu_compile.handoff.aot_layout`): ``{"graph": "forward" | "backward" | "inference", "node",
             "op", "fake_order", "eager_order", "source"}``.
         recomputed: with ``recompute="cheap"``, per declared cheap op (``"npu::npu_rms_norm"``), how many of its
-            forward calls were tagged for recompute (:mod:`qwen_npu_compile.recompute`): the backward recomputes each
+            forward calls were tagged for recompute (:mod:`qwen_npu_compile.handoff.recompute`): the backward recomputes each
             one it reads instead of saving it (a tagged output that leaves the graph, at a graph break, is an output
             as before); empty otherwise or before the AOT partition (inference graphs are not partitioned).
     """
@@ -99,7 +99,7 @@ class GraphReport:
     recomputed: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def note_recomputed(self, counts) -> None:
-        """Record :func:`qwen_npu_compile.recompute.tag_cheap`'s counts of one partition (added up)."""
+        """Record :func:`qwen_npu_compile.handoff.recompute.tag_cheap`'s counts of one partition (added up)."""
         for name, count in counts.items():
             self.recomputed[name] = self.recomputed.get(name, 0) + count
 
@@ -172,7 +172,7 @@ _OFFLINE_TORCHAIR: list[str] = []
 def note_offline_torchair(torch_npu_version: str) -> None:
     """Record that the off-NPU torchair of ``torch_npu_version`` is imported (for :func:`versions`).
 
-    Called by :func:`qwen_npu_compile.torchair_offline.importer.import_torchair`: the dependency runs
+    Called by :func:`qwen_npu_compile.torchair.offline.importer.import_torchair`: the dependency runs
     from torchair_offline to this module only (no import cycle).
     """
     _OFFLINE_TORCHAIR[:] = [torch_npu_version]

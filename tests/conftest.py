@@ -1,7 +1,7 @@
 """Shared fixtures (a clean Dynamo/qwen_npu state per test, the npu ops) and the parity assertion.
 
 The tiny Qwen2 (``tiny_qwen2``, ``tiny_qwen2_config``), the forward/backward step (``run_model``) and the
-parity rule (``judge_runs``) are the ``check`` harness's own (:mod:`qwen_npu_compile.check`), so the
+parity rule (``judge_runs``) are the ``check`` harness's own (:mod:`qwen_npu_compile.cli.check`), so the
 tests judge parity exactly as ``qwen-npu-compile check`` does (docs/check.md, "Parity").
 """
 
@@ -15,8 +15,8 @@ import torch
 from torch._functorch.aot_autograd import aot_function, make_boxed_func
 
 from qwen_npu_compile import ensure_npu_ops
-from qwen_npu_compile.check.harness import fp32_reference, run_model
-from qwen_npu_compile.check.parity import gradient_mismatch, judge_runs, problems
+from qwen_npu_compile.cli.check.harness import fp32_reference, run_model
+from qwen_npu_compile.cli.check.parity import gradient_mismatch, judge_runs, problems
 from qwen_npu_compile.report import SUMMARY
 
 # tests/ascend_host (the simulated Ascend host) rename PrivateUse1 for the whole process: they run in a pytest
@@ -67,7 +67,7 @@ def simulated_npu_ops(npu_ops):
 
 def assert_runs_match(compiled, eager, reference=None) -> dict:
     """``compiled`` (``(logits, grads)`` of :func:`run_model`) has parity with ``eager`` by
-    :func:`qwen_npu_compile.check.parity.judge_runs` (fp32 bounds; half precision against the fp32
+    :func:`qwen_npu_compile.cli.check.parity.judge_runs` (fp32 bounds; half precision against the fp32
     ``reference`` run); with gradients, both runs have them for the same parameters. Returns the rows."""
     assert not gradient_mismatch(compiled, eager), gradient_mismatch(compiled, eager)
     assert bool(compiled[1]) == bool(eager[1])
@@ -135,7 +135,7 @@ def tiny_moe(family: str, dtype=torch.float32, attn: str = "sdpa", **kwargs):
 
 def torchair_wheel_sources():
     """The torch_npu wheel's sources for this torch (``torchair_offline.wheel.obtain_sources``), or skip the test."""
-    from qwen_npu_compile.torchair_offline import wheel
+    from qwen_npu_compile.torchair.offline import wheel
 
     try:
         return wheel.obtain_sources(torch.__version__)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from qwen_npu_compile import compat
-from qwen_npu_compile.check.table import print_table
+from qwen_npu_compile.cli.check.table import print_table
 from qwen_npu_compile.compat import (
     TESTED_TORCH,
     TESTED_TRANSFORMERS,
@@ -102,7 +102,7 @@ def test_pyproject_admits_exactly_the_tested_range():
     assert [d for d in dependencies if re.match(r"transformers\b", d)] == [f"transformers{TESTED_TRANSFORMERS}"]
     # torch_npu: from the lowest tested torch, up to at most the newest (Ascend's releases trail torch's, so its
     # upper bound may be lower); the Gated DeltaNet's trainable Ascend kernel beside it (FLA's triton-ascend
-    # backend ships from 0.5.2: npu_ops/gated_delta_rule_kernels.py)
+    # backend ships from 0.5.2: ops/qwen_npu/gated_delta_rule_kernels.py)
     npu_pins = project["project"]["optional-dependencies"]["npu"]
     torch_npu = [d for d in npu_pins if re.match(r"torch_npu\b", d)]
     assert len(torch_npu) == 1, npu_pins
@@ -114,7 +114,7 @@ def test_pyproject_admits_exactly_the_tested_range():
 
 
 def _check_result(torch_version: str, transformers_version: str) -> dict:
-    """The smallest ``run_check`` result ``print_table`` prints (field names of qwen_npu_compile/check/harness.py)."""
+    """The smallest ``run_check`` result ``print_table`` prints (field names of qwen_npu_compile/cli/check/harness.py)."""
     row = {"max_abs": 1e-3, "rel_l2": 1e-3, "bound": 1e-2, "ok": True}
     return {
         "simulated": True, "settings": {"dtype": "fp32", "mode": "train", "attn": "sdpa", "downstream": "aot_eager"},

@@ -10,7 +10,7 @@ in this list)::
     family      AttentionFamily and its pass                                          (all of the above)
 
 This package exports what the one module ``patterns/attention.py`` exported; the old module paths
-``qwen_npu_compile.patterns.attention_mask`` and ``qwen_npu_compile.patterns.attention_varlen`` are the
+``qwen_npu_compile.patterns.attention.masks`` and ``qwen_npu_compile.patterns.attention.varlen`` are the
 :mod:`.masks` and :mod:`.varlen` modules themselves (aliases, not copies), and their loggers keep those names.
 """
 

@@ -20,7 +20,7 @@ FX after (q, k, v all dense BSND in memory: BSH views, no copy; otherwise ``.con
     view = aten.view.default(getitem, [B, S, Nq, 64]);  out = aten.transpose.int(view, 1, 2)
 
 Shape 2 (``is_causal=True``) gets ``atten_mask = ones(2048, 2048, bool).triu(1)`` (two small nodes,
-:func:`~qwen_npu_compile.npu_ops.fusion_attention.compressed_causal_mask`; 4 MiB per layer, saved for
+:func:`~qwen_npu_compile.ops.torch_npu.fusion_attention.compressed_causal_mask`; 4 MiB per layer, saved for
 backward) with ``sparse_mode=2``; the eager chain gets ``atten_mask = mask != 0``. Inputs that are not all
 dense BSND (the KV cache's ``cat`` outputs are BNSD-contiguous) take ``'BNSD'`` and ``.contiguous()``.
 
@@ -32,14 +32,14 @@ mask, no user-passed position ids, static S) and its compile-time value is ``tri
 training forward without ``attention_mask`` (its packed-sequence mask from the default position ids) and
 4.57 for every compiled forward; the ``[B, 1, S, S]`` mask subgraph then becomes dead code. Which form was
 chosen, and why an explicit mask was kept, is logged at DEBUG (logger
-``qwen_npu_compile.patterns.attention_mask``) and visible in the dump's ``rewritten.py`` (``sparse_mode``).
+``qwen_npu_compile.patterns.attention.masks``) and visible in the dump's ``rewritten.py`` (``sparse_mode``).
 Padding and packed sequences keep the explicit mask: the kernel's ``actual_seq_qlen``/``actual_seq_kvlen``
 (varlen) work only in the TND layout, which torchair's GE converter refuses (BSH and BNSD only), and in
 BSH/BNSD key padding has no other form than an S×S mask.
 
 Constraints (``shared/reference/npu-op-contracts.md``; torch_npu 2.13.0 ``npu_fusion_attention`` docs,
 Meta kernel and torchair GE converter). Every limit of the op lives in
-:func:`~qwen_npu_compile.npu_ops.fusion_attention.fusion_attention_violation`; what the masks need lives
+:func:`~qwen_npu_compile.ops.torch_npu.fusion_attention.fusion_attention_violation`; what the masks need lives
 in :mod:`.masks`. This module adds what the *rewrite* needs:
 
 - ``head_num`` = Nq and native GQA (query head h reads kv head h // n_rep, which is what repeat_kv
@@ -50,7 +50,7 @@ in :mod:`.masks`. This module adds what the *rewrite* needs:
   ``is_causal`` (left-up, as in PyTorch), and an explicit mask proven to be ``tril`` with Sq == Skv, is
   ``sparse_mode=2`` with the 2048x2048 compressed mask (what the torch_npu docs require for mode 2).
   ``scale`` defaults to 1.0 in the op: always passed explicitly, as a Python float
-  (:func:`~qwen_npu_compile.npu_ops.scalars.scalar_argument`).
+  (:func:`~qwen_npu_compile.ops.scalars.scalar_argument`).
 - ``inner_precise=2`` with an explicit mask: left padding masks whole query rows, which only mode 2
   computes correctly. Such rows give 0, as PyTorch SDPA (>= 2.5) gives; HF's *eager* chain gives the mean
   of V there instead, so the fused eager chain replaces those rows by exactly that
@@ -85,9 +85,9 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from qwen_npu_compile.compat import guard_or_false
-from qwen_npu_compile.fusion import CompileTarget, PatternVariant, current_target, meta_val, with_parameters
-from qwen_npu_compile.npu_ops.attention_contract import compressed_causal_mask, fusion_attention_violation
-from qwen_npu_compile.npu_ops.scalars import scalar_argument
+from qwen_npu_compile.fusion.family import CompileTarget, PatternVariant, current_target, meta_val, with_parameters
+from qwen_npu_compile.ops.attention_contract import compressed_causal_mask, fusion_attention_violation
+from qwen_npu_compile.ops.scalars import scalar_argument
 
 from .masks import causal_mask_reason, check_additive_mask, eager_fully_masked_rows, masked_out
 from .spellings import _EAGER, _LAYOUT_BNSD, _LAYOUT_BSH, _REPEAT_KV_ENDS, _SDPA, Spelling, _search_fn, row_variant
@@ -191,7 +191,7 @@ def check_attention(
 ) -> str | None:
     """Refusal reason for fusing ``SDPA(query, key, value, attn_mask, dropout_p)`` (FakeTensors), or None.
 
-    The op's limits are :func:`~qwen_npu_compile.npu_ops.fusion_attention.fusion_attention_violation`'s
+    The op's limits are :func:`~qwen_npu_compile.ops.torch_npu.fusion_attention.fusion_attention_violation`'s
     (torch_npu 2.13.0 ``npu_fusion_attention`` docs, Meta kernel and torchair GE converter); this adds
     4-D non-empty tensors, a bool or floating mask, and what dropout needs (:func:`_dropout_reason`).
 
@@ -302,7 +302,7 @@ _SCALE_CONSTANT: contextvars.ContextVar[float | None] = contextvars.ContextVar("
 
 def _scale_reason(match) -> str | None:
     """Refusal reason when the matched scale cannot be ``npu_fusion_attention``'s ``float scale``
-    (:func:`~qwen_npu_compile.npu_ops.scalars.scalar_argument`: a per-head tensor, a 0-d graph input);
+    (:func:`~qwen_npu_compile.ops.scalars.scalar_argument`: a per-head tensor, a 0-d graph input);
     else None, with :data:`_SCALE_CONSTANT` set for the replacement."""
     value, reason = scalar_argument("npu_fusion_attention", "scale", match.kwargs.get("scale"), allow_none=True)
     if reason is not None:
@@ -409,6 +409,6 @@ def _check_fn(row: Spelling):
 
 
 def _variant(row: Spelling) -> PatternVariant:
-    """The :class:`~qwen_npu_compile.fusion.PatternVariant` of one table row (its exact pattern traced here)."""
+    """The :class:`~qwen_npu_compile.fusion.family.PatternVariant` of one table row (its exact pattern traced here)."""
     return row_variant(row, name=row.name, parameters=row.parameters, search_fn=_search_fn(row),
                        replace_fn=_replace_fn(row), check=_check_fn(row), why=row.why)

@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from qwen_npu_compile.fusion import FamilyPass, FusionFamily, count_applied, meta_val, node_source
-from qwen_npu_compile.npu_ops import varlen_attention
-from qwen_npu_compile.npu_ops.limits import bound_arguments
+from qwen_npu_compile.fusion.family import FamilyPass, FusionFamily, count_applied, meta_val, node_source
+from qwen_npu_compile.ops.qwen_npu import varlen_attention
+from qwen_npu_compile.ops.limits import bound_arguments
 
 from . import varlen
 from .dense import _variant
@@ -36,7 +36,7 @@ aten = torch.ops.aten
 
 #: Variant name of a ``qwen_npu.varlen_attention`` that the captured graph already holds because the
 #: packed-sequence integration put it in place of transformers' flash-attention / SDPA call at trace time
-#: (:mod:`qwen_npu_compile.integrations.varlen`, per-layer compile): its limits were checked there.
+#: (:mod:`qwen_npu_compile.substitutions.varlen_attention`, per-layer compile): its limits were checked there.
 TAKEOVER_VARIANT = "varlen_packed_offsets"
 
 

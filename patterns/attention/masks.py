@@ -3,7 +3,7 @@ imports nothing of the family; :mod:`.dense` and :mod:`.packed` import it).
 
 ``npu_fusion_attention`` takes one kind of mask, ``atten_mask``: bool, **True = masked out**, shapes
 BNSS/B1SS/11SS/SS (torch_npu 2.13.0 ``npu_fusion_attention`` docs; the shape limit lives in
-:func:`~qwen_npu_compile.npu_ops.fusion_attention.fusion_attention_violation`). transformers hands the
+:func:`~qwen_npu_compile.ops.torch_npu.fusion_attention.fusion_attention_violation`). transformers hands the
 attention one of two masks, both built once per forward and shared by every layer
 (``masking_utils.sdpa_mask`` / ``eager_mask``, transformers 4.53+ and 5.x)::
 
@@ -36,13 +36,13 @@ import weakref
 import torch
 import torch.fx
 
-from qwen_npu_compile.fusion import meta_val, node_source, region_operands, view_key
-from qwen_npu_compile.graphs import ancestors, share_first
-from qwen_npu_compile.npu_ops.scalars import constant_tensor_value
+from qwen_npu_compile.fusion.family import meta_val, node_source, region_operands, view_key
+from qwen_npu_compile.graph.utils import ancestors, share_first
+from qwen_npu_compile.ops.scalars import constant_tensor_value
 
 aten = torch.ops.aten
-#: The logger keeps the name of the module this one was (``patterns/attention_mask.py``).
-log = logging.getLogger("qwen_npu_compile.patterns.attention_mask")
+#: The logger keeps the name of the module this one was (``patterns/attention/masks.py``).
+log = logging.getLogger("qwen_npu_compile.patterns.attention.masks")
 
 #: Ops that keep the set of values of an additive mask (views, copies, casts) between it and its where.
 _VALUE_PRESERVING = (
@@ -94,7 +94,7 @@ def check_additive_mask(mask: torch.fx.Node) -> str | None:
     casts) from ``where(bool, 0, m)`` or ``where(bool, m, 0)`` with m = -inf or a finfo.min, which is how
     transformers' ``eager_mask`` builds it. Inside an activation-checkpointed region the mask is an input
     of the region's body: the proof continues in the calling graph, from every operand bound to it
-    (:func:`~qwen_npu_compile.fusion.region_operands`). A mask that is a graph input of the whole graph
+    (:func:`~qwen_npu_compile.fusion.family.region_operands`). A mask that is a graph input of the whole graph
     (per-layer compile), or holds a bias (ALiBi, T5), cannot be proven so and is refused.
 
     Args:
@@ -142,7 +142,7 @@ def masked_out(attn_mask: torch.Tensor) -> torch.Tensor:
     return converted.contiguous()
 
 
-#: What :func:`~qwen_npu_compile.npu_ops.fusion_attention.compressed_causal_mask` leaves in the graph for
+#: What :func:`~qwen_npu_compile.ops.torch_npu.fusion_attention.compressed_causal_mask` leaves in the graph for
 #: every causal attention: ``triu(ones(2048, 2048, bool), 1)``.
 COMPRESSED_MASK_OPS = (aten.ones.default, aten.triu.default)
 
@@ -166,7 +166,7 @@ def share_mask_conversions(graph: torch.fx.Graph) -> int:
     whose layers share one ``[B, 1, S, S]`` mask would convert it once per layer (``B·S²`` bytes read
     and written each time: 32 MiB per layer at S=4096) and save one copy per layer for the backward.
     Identical (op, input) pairs compute identical tensors, so sharing them is exact; inputs that are
-    identical views of one tensor count as identical (:func:`~qwen_npu_compile.fusion.view_key`:
+    identical views of one tensor count as identical (:func:`~qwen_npu_compile.fusion.family.view_key`:
     transformers 4.5x slices the shared mask in every layer). Nodes are visited in graph order, so the
     first of a kind precedes every use of the later ones.
 

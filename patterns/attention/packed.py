@@ -21,7 +21,7 @@ then builds a block-diagonal causal mask inside the graph (``masking_utils.py``,
 
 (5.24 applies the causal function to the position *values* (``remap_positions_for_packed_sequence``),
 5.10 to the indices, 4.57 builds the same functions through ``torch.vmap``, which
-:mod:`qwen_npu_compile.canonicalize` desugars into plain ATen ops.) Every layer's attention reads that
+:mod:`qwen_npu_compile.graph.canonicalize` desugars into plain ATen ops.) Every layer's attention reads that
 ``[1, 1, T, T]`` mask: T² bytes (1 GiB at T = 32k) and all T² scores where the packed sequences need
 Σ lenᵢ².
 
@@ -38,7 +38,7 @@ mask whose blocks start where ``diff(P) != 1``: the ``"restart"`` rule of
 ``qwen_npu.seq_ends_from_positions``. Any other op, a second graph input (a padding mask), a sliding
 window term, an offset (a KV cache), a batch above 1, or an in-place write anywhere in the subgraph
 (an edit after the mask was built) leaves the mask unproven: today's explicit-mask path, with the
-reason logged (logger ``qwen_npu_compile.patterns.attention_varlen``, DEBUG) and queryable per mask
+reason logged (logger ``qwen_npu_compile.patterns.attention.varlen``, DEBUG) and queryable per mask
 (:func:`packed_mask_reason`).
 """
 
@@ -54,14 +54,14 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from qwen_npu_compile.compat import guard_or_false
-from qwen_npu_compile.fusion import meta_val, node_source, region_operands, view_key
-from qwen_npu_compile.graphs import ancestors
+from qwen_npu_compile.fusion.family import meta_val, node_source, region_operands, view_key
+from qwen_npu_compile.graph.utils import ancestors
 
 from .masks import _FULL_FACTORIES, _WHERE_OPS, _constant, _masks_exactly, _mutated_from_outside
 
 aten = torch.ops.aten
-#: The logger keeps the name of the module the proof lived in (``patterns/attention_varlen.py``).
-log = logging.getLogger("qwen_npu_compile.patterns.attention_varlen")
+#: The logger keeps the name of the module the proof lived in (``patterns/attention/varlen.py``).
+log = logging.getLogger("qwen_npu_compile.patterns.attention.varlen")
 
 #: ``seq_ends_from_positions``' rule for transformers' packed mask: a sequence starts where diff != 1.
 RULE = "restart"

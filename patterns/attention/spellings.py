@@ -35,7 +35,7 @@ Mirrors transformers 5.x (checked on 5.24.0) ``integrations/sdpa_attention.py`` 
 
 Each way a captured graph spells this is one row of :data:`SPELLINGS` (the variant table: which
 transformers version, attention implementation and setting produces it); :func:`row_variant` (with
-:mod:`.dense`'s replacement and check) turns a row into a :class:`~qwen_npu_compile.fusion.PatternVariant`.
+:mod:`.dense`'s replacement and check) turns a row into a :class:`~qwen_npu_compile.fusion.family.PatternVariant`.
 In short (torch 2.13, transformers 5.24; q is
 ``rotary(linear.view.transpose)``, BNSD shape over BSND memory; dropout is ``attention_dropout`` in
 training, else 0):
@@ -65,8 +65,8 @@ from collections.abc import Callable
 
 import torch
 
-from qwen_npu_compile.fusion import PatternVariant, exact_pattern, with_parameters
-from qwen_npu_compile.npu_ops.attention_contract import GE_LAYOUTS
+from qwen_npu_compile.fusion.family import PatternVariant, exact_pattern, with_parameters
+from qwen_npu_compile.ops.attention_contract import GE_LAYOUTS
 
 aten = torch.ops.aten
 F = torch.nn.functional
@@ -291,7 +291,7 @@ def _examples(row: Spelling):
 
 def row_variant(row: Spelling, *, name: str, parameters: tuple[str, ...], search_fn: Callable, replace_fn: Callable,
                 check: Callable, why: str) -> PatternVariant:
-    """The :class:`~qwen_npu_compile.fusion.PatternVariant` of one table row with the given replacement and
+    """The :class:`~qwen_npu_compile.fusion.family.PatternVariant` of one table row with the given replacement and
     check (its exact pattern traced at registration; the example inputs of :func:`_examples`).
 
     Args:

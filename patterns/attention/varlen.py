@@ -26,10 +26,10 @@ graph can show, named ``varlen_<row>`` (:data:`VARLEN_ROWS`): SDPA with a mask a
 input is called ``packed_mask``, so Inductor keeps it apart from the row's own pattern) and is tried
 before the rows; its check runs the row's check first (so a refusal records the row's reason), then
 refuses a plain causal mask (the row's ``sparse_mode=2`` needs no offsets), an unproven mask, B != 1,
-dropout (the varlen op has no ``keep_prob``) and anything :func:`~qwen_npu_compile.npu_ops.varlen_attention.varlen_violation`
+dropout (the varlen op has no ``keep_prob``) and anything :func:`~qwen_npu_compile.ops.qwen_npu.varlen_attention.varlen_violation`
 refuses (T <= 1M, Nq <= 256, D <= 768, GE dtypes for torchair); the row then fuses the explicit mask.
 
-Limits: the segment count (<= 2048 per call, :data:`~qwen_npu_compile.npu_ops.varlen_attention.MAX_SEGMENTS`)
+Limits: the segment count (<= 2048 per call, :data:`~qwen_npu_compile.ops.qwen_npu.varlen_attention.MAX_SEGMENTS`)
 is data and unknown at compile time; a packing above it raises the op's error at run time (only
 possible with T > 2048). SDPA with ``enable_gqa`` and a mask (``TRANSFORMERS_SDPA_FORCE_GQA=1``) and an
 activation-checkpointed layer (its region body receives the mask, not the position ids) keep the
@@ -43,9 +43,9 @@ import types
 import torch
 import torch.fx
 
-from qwen_npu_compile.fusion import PatternVariant, current_target, meta_val, view_key, with_parameters
-from qwen_npu_compile.graphs import share_first
-from qwen_npu_compile.npu_ops import varlen_attention as varlen_ops
+from qwen_npu_compile.fusion.family import PatternVariant, current_target, meta_val, view_key, with_parameters
+from qwen_npu_compile.graph.utils import share_first
+from qwen_npu_compile.ops.qwen_npu import varlen_attention as varlen_ops
 
 from . import dense
 from .packed import _PROOFS, RULE, PackedMask, _equal, packed_mask, packed_mask_reason

@@ -9,7 +9,7 @@ On an Ascend host, ``attn_implementation="flash_attention_2"`` (verl's default) 
 :func:`simulated_npu_host` makes transformers take exactly that path here: every
 ``is_torch_npu_available`` name bound in a loaded ``transformers`` module (and in 5.x's
 ``FLASH_ATTENTION_COMPATIBILITY_MATRIX``) answers True, ``npu_flash_attention.npu_fusion_attention`` is
-``torch.ops.npu.npu_fusion_attention`` (our simulated stand-in, :mod:`qwen_npu_compile.npu_ops`, which
+``torch.ops.npu.npu_fusion_attention`` (our simulated stand-in, :mod:`qwen_npu_compile.ops`, which
 implements TND sequence by sequence), and transformers' cached flash-attention implementation is reset so
 that the next call imports the NPU functions. Nothing of transformers is re-implemented: its own
 ``_flash_attention_forward``, ``_is_packed_sequence``, ``prepare_fa_kwargs_from_position_ids`` and NPU
@@ -68,7 +68,7 @@ def simulated_npu_host() -> Iterator[None]:
         RuntimeError: torch_npu is importable (a real Ascend host: use the real path), or transformers'
             ``integrations.npu_flash_attention`` module is missing (an unsupported transformers release).
     """
-    from ..npu_ops import ensure_npu_ops
+    from qwen_npu_compile.ops import ensure_npu_ops
 
     status = ensure_npu_ops()
     if not status.simulated:

@@ -9,7 +9,7 @@ of a transformers modeling module with hand-fused ones (``npu_rms_norm``, ``npu_
 layer then fuses attention only, a Qwen3-MoE layer compiles unfused (``NPUGmmFunction`` is a custom
 ``autograd.Function``), a Qwen3.5 keeps verl's eager fp32 gated norm.
 
-With ``QWEN_NPU_COMPILE=1`` (:func:`take_over`, installed by :mod:`qwen_npu_compile.integrations.verl` when
+With ``QWEN_NPU_COMPILE=1`` (:func:`take_over`, installed by :mod:`qwen_npu_compile.verl` when
 verl imports ``npu_patch``) each patch function of ``NPU_PATCHES`` still runs, and then every name it changed
 that a switched-on ``qwen_npu`` family fuses from transformers' own code (:data:`TAKEN_OVER`) becomes a
 dispatcher: inside a Dynamo capture (``torch.compiler.is_compiling()``) it calls transformers' original, which
@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from ..config import ENV_FUSIONS, parse_fusions
-from .worker import compile_requested
+from qwen_npu_compile.worker import compile_requested
 
 log = logging.getLogger("qwen_npu_compile")
 

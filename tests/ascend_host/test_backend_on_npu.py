@@ -18,8 +18,8 @@ import torch
 import sim
 from conftest import assert_runs_match, tiny_moe
 from qwen_npu_compile import get_reports, maybe_compile
-from qwen_npu_compile.check.harness import fp32_reference, run_model
-from qwen_npu_compile.check.models import tiny_qwen2
+from qwen_npu_compile.cli.check.harness import fp32_reference, run_model
+from qwen_npu_compile.cli.check.models import tiny_qwen2
 from qwen_npu_compile.worker import ENV_COMPILE
 
 WHOLE_QWEN2 = {"rms_norm": 5, "swiglu": 2, "rotary": 4, "attention": 2}

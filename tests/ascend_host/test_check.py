@@ -11,7 +11,7 @@ import pytest
 
 import sim
 from qwen_npu_compile import cli
-from qwen_npu_compile.npu_ops import ensure_npu_ops
+from qwen_npu_compile.ops import ensure_npu_ops
 
 QWEN25 = {"rms_norm": 5, "swiglu": 2, "rotary": 4, "attention": 2}
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import tiny_hybrid, tiny_moe
-from qwen_npu_compile.check.harness import run_model
-from qwen_npu_compile.check.models import tiny_qwen2
+from qwen_npu_compile.cli.check.harness import run_model
+from qwen_npu_compile.cli.check.models import tiny_qwen2
 
 
 def _models():

@@ -1,5 +1,5 @@
 """The Gated DeltaNet's Ascend kernels on the simulated Ascend host (``qwen_npu::chunk_gated_delta_rule`` on ``npu``
-tensors, dispatched to its PrivateUse1 kernels; the choice: ``npu_ops/gated_delta_rule_kernels.py``).
+tensors, dispatched to its PrivateUse1 kernels; the choice: ``ops/qwen_npu/gated_delta_rule_kernels.py``).
 
 - FLA 0.5.2 bound (the stand-in, ``tests/stand_ins/fla``, checking its arguments and requiring npu tensors): a
   compiled tiny Qwen3.5 DeltaNet layer holds the op, trains with FLA's forward and FLA's backward (a recomputed FLA
@@ -22,8 +22,8 @@ import torch
 
 import sim
 from qwen_npu_compile import get_reports
-from qwen_npu_compile.npu_ops import gated_delta_rule as G
-from qwen_npu_compile.npu_ops import gated_delta_rule_kernels as K
+from qwen_npu_compile.ops.qwen_npu import gated_delta_rule as G
+from qwen_npu_compile.ops.qwen_npu import gated_delta_rule_kernels as K
 
 STAND_INS = Path(__file__).resolve().parents[1] / "stand_ins"
 OP = torch.ops.qwen_npu.chunk_gated_delta_rule.default
@@ -99,7 +99,7 @@ def _eager_resolves_fla_now(monkeypatch):
     from transformers.integrations import hub_kernels
     from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
 
-    from qwen_npu_compile.integrations import deltanet
+    from qwen_npu_compile.substitutions import deltanet
 
     # the hub wrapper's torch function (with kernels installed, the wrapper sits inside a kernels Func module)
     torch_function = deltanet.resolve_binding(modeling.torch_chunk_gated_delta_rule)[0].__wrapped__
@@ -177,7 +177,7 @@ def test_head_dim_128_no_grad_forward_runs_torch_npus_op(npu, no_fla):
 
 IMPORT_ORDER = """
 import torch
-import qwen_npu_compile.npu_ops.gated_delta_rule  # before torch_npu: PrivateUse1 not yet named npu
+import qwen_npu_compile.ops.qwen_npu.gated_delta_rule  # before torch_npu: PrivateUse1 not yet named npu
 import torch_npu
 q, k, v = (torch.randn(1, 8, 2, 128, dtype=torch.bfloat16).npu() for _ in range(3))
 g, beta = -torch.rand(1, 8, 2).npu(), torch.rand(1, 8, 2, dtype=torch.bfloat16).npu()

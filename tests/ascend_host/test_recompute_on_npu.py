@@ -10,8 +10,8 @@ import torch
 
 from conftest import tiny_hybrid
 from qwen_npu_compile import maybe_compile
-from qwen_npu_compile.check.models import tiny_qwen2
-from qwen_npu_compile.integrations.worker import layer_reports
+from qwen_npu_compile.cli.check.models import tiny_qwen2
+from qwen_npu_compile.worker import layer_reports
 from qwen_npu_compile.worker import ENV_COMPILE
 
 

@@ -12,7 +12,7 @@ pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate
 
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
-from qwen_npu_compile.check.models import tiny_qwen2  # noqa: E402
+from qwen_npu_compile.cli.check.models import tiny_qwen2  # noqa: E402
 from qwen_npu_compile.hf_trainer import QwenNpuCompileCallback  # noqa: E402
 from qwen_npu_compile.worker import ENV_COMPILE, layer_reports  # noqa: E402
 

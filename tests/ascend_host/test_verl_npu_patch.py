@@ -73,7 +73,7 @@ def _config(family: str):
     sys.path.insert(0, str(sim.HERE.parent))
     from conftest import tiny_hybrid, tiny_moe
 
-    from qwen_npu_compile.check.models import tiny_qwen2_config
+    from qwen_npu_compile.cli.check.models import tiny_qwen2_config
 
     if family == "qwen2":
         return tiny_qwen2_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)

@@ -71,7 +71,7 @@ class Lines(logging.Handler):
 def save(family: str, folder: str) -> None:
     from conftest import tiny_hybrid, tiny_moe
 
-    from qwen_npu_compile.check.models import tiny_qwen2
+    from qwen_npu_compile.cli.check.models import tiny_qwen2
 
     if family == "qwen2":
         model = tiny_qwen2(torch.float32, hidden_size=256, intermediate_size=512, num_attention_heads=4,

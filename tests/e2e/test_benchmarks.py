@@ -259,7 +259,7 @@ def test_packed_rows(results):
 def test_packing_must_fill_one_row():
     """A packing that does not sum to S in one row is refused before anything is captured."""
     from benchmarks import traffic
-    from qwen_npu_compile.check.models import tiny_qwen2_config
+    from qwen_npu_compile.cli.check.models import tiny_qwen2_config
 
     import torch
 

@@ -1,4 +1,4 @@
-"""``check`` never runs out of memory: its estimate (:func:`qwen_npu_compile.check.models.memory_plan`) covers
+"""``check`` never runs out of memory: its estimate (:func:`qwen_npu_compile.cli.check.models.memory_plan`) covers
 every tensor it creates and is checked against the peak resident set of a real ``check`` subprocess
 (``ru_maxrss``); above the available memory it exits 2 within seconds, before building anything, and
 says what fits (fewer ``--layers``, ``--mode infer``, a smaller preset).
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from qwen_npu_compile import cli
-from qwen_npu_compile.check import models
+from qwen_npu_compile.cli.check import models
 
 GIB = 2**30
 
@@ -30,7 +30,7 @@ def _measured_check(argv: list[str], cwd) -> tuple[int, int, str]:
     """Run ``qwen-npu-compile check ARGV`` in a child of a fresh launcher; ``(exit status, peak RSS bytes, output)``."""
     launcher = (
         "import resource, subprocess, sys\n"
-        "done = subprocess.run([sys.executable, '-m', 'qwen_npu_compile.cli', 'check', *sys.argv[1:]],"
+        "done = subprocess.run([sys.executable, '-m', 'qwen_npu_compile', 'check', *sys.argv[1:]],"
         " capture_output=True, text=True)\n"
         "print(done.stdout[-2000:] + done.stderr[-2000:])\n"
         "print('PEAK', done.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from qwen_npu_compile import cli
-from qwen_npu_compile.check import harness, models
-from qwen_npu_compile.check.models import tiny_qwen2_config
+from qwen_npu_compile.cli.check import harness, models
+from qwen_npu_compile.cli.check.models import tiny_qwen2_config
 
 
 @pytest.fixture

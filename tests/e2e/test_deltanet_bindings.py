@@ -26,8 +26,9 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as M
 
 from conftest import tiny_hybrid
 from qwen_npu_compile import maybe_compile
-from qwen_npu_compile.integrations import deltanet, worker
-from qwen_npu_compile.integrations.worker import layer_reports
+from qwen_npu_compile.substitutions import deltanet
+from qwen_npu_compile import worker
+from qwen_npu_compile.worker import layer_reports
 from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.report import SUMMARY
 from qwen_npu_compile.worker import ENV_COMPILE

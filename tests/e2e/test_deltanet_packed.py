@@ -1,5 +1,5 @@
 """The Gated DeltaNet on packed rows (issue 34): one semantics, each sequence as if alone, on every path
-(:mod:`qwen_npu_compile.integrations.deltanet`), and never a crash.
+(:mod:`qwen_npu_compile.substitutions.deltanet`), and never a crash.
 
 - transformers >= 5.15 (5.24's hub wrapper): a DeltaNet given ``cu_seq_lens_q`` raises ``ValueError`` in eager
   without FLA; compiled runs each sequence alone (conv and state restarting), with one warning naming that.
@@ -25,8 +25,8 @@ pytest.importorskip("transformers.models.qwen3_5", reason="Qwen3.5 needs transfo
 from transformers.models.qwen3_5 import modeling_qwen3_5 as M
 
 from conftest import tiny_hybrid
-from qwen_npu_compile.integrations import deltanet, varlen
-from qwen_npu_compile.npu_ops import gated_delta_rule as GDR
+from qwen_npu_compile.substitutions import deltanet, varlen_attention as varlen
+from qwen_npu_compile.ops.qwen_npu import gated_delta_rule as GDR
 from qwen_npu_compile.report import SUMMARY
 from qwen_npu_compile.worker import ENV_COMPILE
 

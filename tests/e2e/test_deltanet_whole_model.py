@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("transformers.models.qwen3_5", reason="Qwen3.5 needs transformers >= 5")
 
 from conftest import tiny_hybrid
-from qwen_npu_compile.integrations import deltanet
+from qwen_npu_compile.substitutions import deltanet
 from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.report import SUMMARY
 

@@ -5,7 +5,7 @@ import logging
 
 import torch
 
-from qwen_npu_compile.check.models import tiny_qwen2
+from qwen_npu_compile.cli.check.models import tiny_qwen2
 
 
 def test_dump_dir_layout_and_summary(npu_ops, tmp_path, caplog):

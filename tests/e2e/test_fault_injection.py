@@ -29,9 +29,11 @@ import pytest
 import torch
 
 from conftest import assert_runs_match
-from qwen_npu_compile import ALL_FAMILIES, canonicalize, cli, dump, emit, handoff, maybe_compile
-from qwen_npu_compile.check.harness import run_model
-from qwen_npu_compile.check.models import tiny_qwen2, tiny_qwen2_config
+from qwen_npu_compile import ALL_FAMILIES, dump, handoff, maybe_compile
+from qwen_npu_compile.graph import canonicalize, emit
+from qwen_npu_compile import cli
+from qwen_npu_compile.cli.check.harness import run_model
+from qwen_npu_compile.cli.check.models import tiny_qwen2, tiny_qwen2_config
 from qwen_npu_compile.config import QwenNpuConfig
 from qwen_npu_compile.patterns import expected_fusions, get_family_pass
 from qwen_npu_compile.report import SUMMARY, FusionError, GraphReport
@@ -323,7 +325,7 @@ def no_google(monkeypatch):
 def test_missing_google_package_gives_a_clear_message(no_google):
     import importlib.util
 
-    from qwen_npu_compile.torchair_offline import importer
+    from qwen_npu_compile.torchair.offline import importer
 
     with pytest.raises(ModuleNotFoundError):
         importlib.util.find_spec("google.protobuf")  # what the old check ran into
@@ -332,7 +334,7 @@ def test_missing_google_package_gives_a_clear_message(no_google):
 
 
 def test_protobuf_present_is_no_problem():
-    from qwen_npu_compile.torchair_offline import importer
+    from qwen_npu_compile.torchair.offline import importer
 
     pytest.importorskip("google.protobuf")
     assert importer.missing_protobuf() is None
@@ -360,7 +362,7 @@ def test_report_imports_nothing_of_torchair_offline():
 TORCHAIR_SCRIPT = '''
 import json, logging, sys
 import torch
-import qwen_npu_compile.torchair_offline as offline
+import qwen_npu_compile.torchair.offline as offline
 from qwen_npu_compile import ensure_npu_ops, get_reports
 from qwen_npu_compile.report import SUMMARY
 

@@ -5,7 +5,7 @@ hand the rewritten graph to aot_eager instead, to check what the rewrite emits f
 orthogonal rotary form (``qwen_npu.rotary_mul_orthogonal``, whose backward is the forward op with -sin),
 the ATen-backward form where sin's halves cannot be proven (``qwen_npu.rotary_mul_aten_backward``), their
 parity, the refusals that name a torchair converter limit, fp32 attention refused. The
-conversion tests run torchair's real FX→GE conversion off-NPU (``qwen_npu_compile.torchair_offline``)
+conversion tests run torchair's real FX→GE conversion off-NPU (``qwen_npu_compile.torchair.offline``)
 in a subprocess (importing torchair patches the process) and are skipped when no torch_npu wheel can
 be obtained.
 """
@@ -24,11 +24,11 @@ import torch
 from transformers.models.qwen2.modeling_qwen2 import rotate_half
 
 from conftest import assert_runs_match, count_calls, eager_and_reference
-from qwen_npu_compile.check.harness import run_model
-from qwen_npu_compile.check.models import tiny_qwen2
+from qwen_npu_compile.cli.check.harness import run_model
+from qwen_npu_compile.cli.check.models import tiny_qwen2
 from qwen_npu_compile import get_reports
-from qwen_npu_compile import ge_converters
-from qwen_npu_compile.npu_ops import rotary_mul_aten_backward, rotary_mul_orthogonal
+from qwen_npu_compile.torchair import converters as ge_converters
+from qwen_npu_compile.ops.qwen_npu import rotary_mul_aten_backward, rotary_mul_orthogonal
 
 TORCHAIR = {"downstream": "torchair"}
 ORTHOGONAL = rotary_mul_orthogonal.OP
@@ -218,7 +218,7 @@ def test_cos_sin_needing_grad_never_take_the_orthogonal_form(npu_ops, torchair_t
 
 
 def test_orthogonal_op_refuses_cos_sin_that_need_grad(npu_ops):
-    from qwen_npu_compile.npu_ops import rotary_mul_orthogonal
+    from qwen_npu_compile.ops.qwen_npu import rotary_mul_orthogonal
 
     x = torch.randn(1, 4, 2, 16, requires_grad=True)
     cos, sin = _cos_sin(4, 16, requires_grad=True)
@@ -249,7 +249,7 @@ def test_attention_for_torchair_refuses_fp32(npu_ops, torchair_target_on_aot_eag
 
 def test_register_converters_without_torchair_warns_and_registers_nothing(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "torchair", None)  # `import torchair` raises ImportError
-    with caplog.at_level(logging.WARNING, logger="qwen_npu_compile.ge_converters"):
+    with caplog.at_level(logging.WARNING, logger="qwen_npu_compile.torchair.converters"):
         assert ge_converters.register_converters() == []
     assert "could not be imported" in caplog.text
 
@@ -260,13 +260,13 @@ _CONVERT = textwrap.dedent(
     """
     import json, sys, torch
     from qwen_npu_compile import get_reports
-    from qwen_npu_compile.torchair_offline import TorchairUnavailableError, load_offline_torchair
+    from qwen_npu_compile.torchair.offline import TorchairUnavailableError, load_offline_torchair
     try:
         load_offline_torchair()
     except TorchairUnavailableError as exc:
         print(json.dumps({"unavailable": str(exc)})); sys.exit(0)
     hidden, dtype, dynamic, fusions = json.loads(sys.argv[1])
-    from qwen_npu_compile.check.models import tiny_qwen2
+    from qwen_npu_compile.cli.check.models import tiny_qwen2
     model = tiny_qwen2(getattr(torch, dtype), hidden_size=hidden, num_hidden_layers=1).train()
     compiled = torch.compile(model, backend="qwen_npu", options={"downstream": "torchair", "fusions": fusions},
                              dynamic=dynamic)
@@ -332,7 +332,7 @@ def test_unfused_swiglu_backward_converts_with_torchair(npu_ops):
 def test_graph_violations_name_the_torchair_limits(npu_ops):
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from qwen_npu_compile.npu_ops import limits
+    from qwen_npu_compile.ops import limits
 
     def emitted(x, cos, q, k):
         out = torch.ops.npu.npu_rotary_mul.default(x, cos, cos, "half")

@@ -5,7 +5,7 @@ Tiny random-weight models of transformers' own modeling code (``conftest.tiny_hy
 1 full-attention layer, head_dim 64, partial rotary on 16 dims). The counts are the families' own declarations
 (``expected_fusions``, per layer kind for ``maybe_compile``); ``strict`` makes any refusal or near miss of an
 enabled family an error. The training step used to crash in the AOT backward (a torch meta-kernel bug,
-``qwen_npu_compile.aot_layout``): one node per Gated DeltaNet layer is pinned to its traced layout.
+``qwen_npu_compile.handoff.aot_layout``): one node per Gated DeltaNet layer is pinned to its traced layout.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import transformers
 
 from conftest import assert_runs_match, tiny_hybrid
 from qwen_npu_compile import maybe_compile
-from qwen_npu_compile.check.harness import fp32_reference, run_model
+from qwen_npu_compile.cli.check.harness import fp32_reference, run_model
 from qwen_npu_compile.patterns import FAMILIES, expected_fusions
 from qwen_npu_compile.report import SUMMARY
 from qwen_npu_compile.worker import ENV_COMPILE
@@ -102,7 +102,7 @@ def test_traced_delta_rule_with_the_family_off_pins_the_softplus_gradient(npu_op
     """With ``gated_delta_rule`` off, the delta rule is traced as transformers' Python, which reads g transposed:
     where torch's softplus_backward meta kernel disagrees with the CPU kernel (:data:`BUG`), the AOT audit pins
     each layer's gradient (the crash of issue 25 otherwise), and training matches eager."""
-    from qwen_npu_compile.integrations import deltanet
+    from qwen_npu_compile.substitutions import deltanet
 
     families = [name for name in FAMILIES if name != "gated_delta_rule"]
     deltanet.install(enabled=False)
@@ -156,7 +156,7 @@ import json, os, sys
 import torch
 sys.path[:0] = sys.argv[2:]
 from qwen_npu_compile import ensure_npu_ops, get_reports, maybe_compile
-from qwen_npu_compile.check.harness import run_model
+from qwen_npu_compile.cli.check.harness import run_model
 ensure_npu_ops()
 from conftest import tiny_hybrid
 os.environ["QWEN_NPU_COMPILE"] = "1"
@@ -203,7 +203,7 @@ def test_packed_rows_of_a_hybrid_model_run_varlen_attention(monkeypatch, npu_ops
     put in place (transformers' torch delta rule -> the op)."""
     import logging
 
-    from qwen_npu_compile.integrations import varlen
+    from qwen_npu_compile.substitutions import varlen_attention as varlen
 
     monkeypatch.setenv(ENV_COMPILE, "1")
     model = tiny_hybrid("qwen3_5", torch.float32, attn="sdpa").train()

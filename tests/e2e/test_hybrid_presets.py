@@ -1,7 +1,7 @@
 """The Qwen3.5 / Qwen3.5-MoE / Qwen3-Next presets of ``check`` (issue 25): their sourced config fields (exact),
 their parameter counts (the formula against the model built on the meta device, and the published totals), a
 multimodal Qwen3.5 directory (its text model is built, its weights loaded), and ``check`` PASS on a Qwen3.5
-preset with exact counts. The presets are data (:mod:`qwen_npu_compile.check.presets`, sources in its comments).
+preset with exact counts. The presets are data (:mod:`qwen_npu_compile.cli.check.presets`, sources in its comments).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from qwen_npu_compile import cli
-from qwen_npu_compile.check import models, presets
+from qwen_npu_compile.cli.check import models, presets
 from qwen_npu_compile.patterns import expected_fusions
 
 pytestmark = pytest.mark.skipif(not hasattr(transformers, "Qwen3_5ForCausalLM"),
@@ -27,7 +27,7 @@ GIB = 2**30
 #: conv kernel 4, eps 1e-6, no attention bias, 262144 positions).
 COMMON = dict(head_dim=256, linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
               linear_conv_kernel_dim=4, rms_norm_eps=1e-6, attention_bias=False, max_position_embeddings=262144)
-#: preset -> (config class, sourced fields); see the comments in check/presets.py for the sources.
+#: preset -> (config class, sourced fields); see the comments in cli/check/presets.py for the sources.
 SOURCED = {
     "qwen3.5-0.8b": ("Qwen3_5TextConfig", dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
                      num_attention_heads=8, num_key_value_heads=2, linear_num_value_heads=16, vocab_size=248320,
@@ -174,7 +174,7 @@ def test_check_passes_on_a_qwen3_5_preset_with_exact_counts(npu_ops, tmp_path, c
     """``check`` sets the DeltaNet substitution from its own ``--fusions``, whatever an earlier compile in the process
     left (a benchmark capture or a check without the family switches it off), and puts that setting back after."""
     import qwen_npu_compile.backend  # noqa: F401  (its import installs the substitution once, from QWEN_NPU_FUSIONS)
-    from qwen_npu_compile.integrations import deltanet
+    from qwen_npu_compile.substitutions import deltanet
 
     out = tmp_path / "result.json"
     with deltanet.switched(False):  # what an earlier compile without the family leaves behind

@@ -126,7 +126,7 @@ def test_import_circles_count_lazy_imports(tmp_path):
 
 
 def test_config_and_registry_import_first():
-    modules = ("qwen_npu_compile.config", "qwen_npu_compile.patterns", "qwen_npu_compile.fusion", "qwen_npu_compile.fuse")
+    modules = ("qwen_npu_compile.config", "qwen_npu_compile.patterns", "qwen_npu_compile.fusion.family", "qwen_npu_compile.fusion.manager")
     # one fresh interpreter per module (each must import first), run side by side: each spends ~3 s importing torch
     procs = {m: subprocess.Popen([sys.executable, "-c", f"import {m}"], stderr=subprocess.PIPE, text=True) for m in modules}
     for module, proc in procs.items():

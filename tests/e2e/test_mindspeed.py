@@ -23,8 +23,8 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from qwen_npu_compile import maybe_compile
-from qwen_npu_compile import torch_compiler
-from qwen_npu_compile.check.models import tiny_qwen2_config
+from qwen_npu_compile.integrations import torch_compiler
+from qwen_npu_compile.cli.check.models import tiny_qwen2_config
 from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.worker import ENV_COMPILE, layer_reports
 
@@ -53,9 +53,9 @@ if order == "after":
     import mindspeed.megatron_adaptor
 from transformers import Qwen2ForCausalLM
 from qwen_npu_compile import cli, maybe_compile
-from qwen_npu_compile.check.harness import fp32_reference, run_model
-from qwen_npu_compile.check.models import tiny_qwen2_config
-from qwen_npu_compile.check.parity import gradient_mismatch, judge_runs, problems
+from qwen_npu_compile.cli.check.harness import fp32_reference, run_model
+from qwen_npu_compile.cli.check.models import tiny_qwen2_config
+from qwen_npu_compile.cli.check.parity import gradient_mismatch, judge_runs, problems
 from qwen_npu_compile.report import SUMMARY
 from qwen_npu_compile.worker import layer_reports
 

@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from conftest import assert_parity
-from qwen_npu_compile.check import models
+from qwen_npu_compile.cli.check import models
 from qwen_npu_compile import ALL_FAMILIES
 from qwen_npu_compile.patterns import expected_fusions
 

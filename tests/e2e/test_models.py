@@ -1,4 +1,4 @@
-"""Tests for qwen_npu_compile.check.models: presets, local directories, layer overrides, memory estimate."""
+"""Tests for qwen_npu_compile.cli.check.models: presets, local directories, layer overrides, memory estimate."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from qwen_npu_compile.check import models
-from qwen_npu_compile.check.models import (
+from qwen_npu_compile.cli.check import models
+from qwen_npu_compile.cli.check.models import (
     PRESETS,
     build_model,
     estimate_memory_bytes,
     estimate_num_parameters,
     resolve_model_config,
 )
-from qwen_npu_compile.check.models import tiny_qwen2_config as tiny_config
+from qwen_npu_compile.cli.check.models import tiny_qwen2_config as tiny_config
 
 REQUIRED_PRESETS = {
     "qwen2-0.5b",

@@ -6,7 +6,7 @@ and backward) with ``npu_swiglu`` on the gate/up output, passes ``strict``, and 
 eagerly, forward and backward; on verl's packed micro-batches (``use_remove_padding``) attention is varlen
 attention, for ``sdpa`` and ``flash_attention_2`` (transformers' own NPU flash-attention functions on our
 stand-ins). transformers 5.24's MoE base models build their mask themselves (no per-layer-type mask
-mapping): ``integrations/varlen.py`` ``MASK_BUILT_KWARG``.
+mapping): ``substitutions/varlen_attention.py`` ``MASK_BUILT_KWARG``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import transformers
 
 from conftest import assert_runs_match, tiny_moe
 from qwen_npu_compile import maybe_compile
-from qwen_npu_compile.check.harness import fp32_reference, run_model
+from qwen_npu_compile.cli.check.harness import fp32_reference, run_model
 from qwen_npu_compile.integrations.npu_host import simulated_npu_host
 from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.patterns.attention import TAKEOVER_VARIANT

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-from qwen_npu_compile.check.models import tiny_qwen2
+from qwen_npu_compile.cli.check.models import tiny_qwen2
 from qwen_npu_compile import get_reports
 
 CORE = {"fusions": "rms_norm,swiglu"}
@@ -63,7 +63,7 @@ def test_vmap_built_mask_is_desugared_and_fused(npu_ops):
 
 
 def test_graph_that_cannot_be_retraced_runs_unfused_with_a_warning(npu_ops, caplog, monkeypatch):
-    from qwen_npu_compile import canonicalize
+    from qwen_npu_compile.graph import canonicalize
 
     def fail(self, node):  # any retrace failure; tests/e2e/test_stack_compat.py covers a failing vmap region
         raise NotImplementedError("simulated retrace failure")

@@ -18,11 +18,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from qwen_npu_compile import maybe_compile
-from qwen_npu_compile.check.harness import run_model
-from qwen_npu_compile.check.models import tiny_qwen2_config
-from qwen_npu_compile.integrations import varlen
+from qwen_npu_compile.cli.check.harness import run_model
+from qwen_npu_compile.cli.check.models import tiny_qwen2_config
+from qwen_npu_compile.substitutions import varlen_attention as varlen
 from qwen_npu_compile.integrations.npu_host import simulated_npu_host
-from qwen_npu_compile.npu_ops import varlen_attention
+from qwen_npu_compile.ops.qwen_npu import varlen_attention
 from qwen_npu_compile.worker import ENV_COMPILE
 
 from qwen_npu_compile.patterns import expected_fusions

@@ -22,8 +22,8 @@ import transformers
 from conftest import run_ge_script, tiny_hybrid, tiny_moe
 from qwen_npu_compile import maybe_compile
 from qwen_npu_compile.config import QwenNpuConfig, QwenNpuConfigError
-from qwen_npu_compile.integrations.worker import layer_reports
-from qwen_npu_compile.recompute import cheap_ops
+from qwen_npu_compile.worker import layer_reports
+from qwen_npu_compile.handoff.recompute import cheap_ops
 from qwen_npu_compile.report import SUMMARY
 from qwen_npu_compile.worker import ENV_COMPILE
 

@@ -1,4 +1,4 @@
-"""``qwen-npu-compile report DIR...`` (qwen_npu_compile/run_report.py) on real dump folders.
+"""``qwen-npu-compile report DIR...`` (qwen_npu_compile/cli/report.py) on real dump folders.
 
 One module fixture writes the dumps once (a tiny Qwen2 compiled per layer by ``maybe_compile`` with
 ``QWEN_NPU_DUMP_DIR``, as verl's workers do): ``run/rank0`` (two sequence lengths: a recompile of the
@@ -7,7 +7,7 @@ layer's frame) and ``run/rank1`` (a fresh "process": Dynamo and the report index
 ``refused`` (an enabled family refuses: SwiGLU gate/up dtype mismatch), ``unfused`` / ``fell_back``
 (an RMSNorm whose emit stage / aot_eager hand-off fails: compiled unfused / run eagerly), ``disabled`` (RMSNorm compiled
 with only swiglu enabled: a refusal of a disabled family) and ``ge`` (a graph whose torchair conversion
-failed: the report objects of the GE check, :class:`~qwen_npu_compile.torchair_offline.GeResults`,
+failed: the report objects of the GE check, :class:`~qwen_npu_compile.torchair.offline.GeResults`,
 written by :func:`qwen_npu_compile.dump.publish`, since the real off-NPU conversion costs a minute in a
 subprocess; ``tests/e2e/test_torchair_offline.py`` covers that the conversion fills them).
 """
@@ -25,12 +25,14 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-from qwen_npu_compile import cli, dump, emit, handoff, maybe_compile
-from qwen_npu_compile.check.models import tiny_qwen2_config
+from qwen_npu_compile import cli
+from qwen_npu_compile import dump, handoff, maybe_compile
+from qwen_npu_compile.graph import emit
+from qwen_npu_compile.cli.check.models import tiny_qwen2_config
 from qwen_npu_compile.config import ALL_FAMILIES, QwenNpuConfig
 from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.report import SUMMARY, GraphReport
-from qwen_npu_compile.torchair_offline import GeFailure, GeGraph, GeResults
+from qwen_npu_compile.torchair.offline import GeFailure, GeGraph, GeResults
 
 FAMILIES = list(ALL_FAMILIES)  # every graph enables all (the default), in pass order
 # one Qwen2 decoder layer's graph (a family with no Qwen2 anchor, e.g. moe, fuses 0)
@@ -364,7 +366,7 @@ def test_compile_id_is_read_back_from_the_graph_name(compile_id, expected):
     from torch._guards import CompileContext, CompileId, compile_context
 
     from qwen_npu_compile.report import new_graph_name
-    from qwen_npu_compile.run_report import Graph
+    from qwen_npu_compile.cli.report import Graph
 
     if compile_id is None:
         name = new_graph_name()

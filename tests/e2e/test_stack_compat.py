@@ -3,7 +3,7 @@
 CI runs this file alone in one virtual environment per supported stack (``tools/stack_matrix.py``:
 ``pytest -m stack_compat``; torch 2.7.1 to 2.15.0 x transformers 4.57.6 / 5.10.4 / 5.24.0 / 5.25.0), and it is
 part of the primary suite. It uses only what every supported stack has: transformers' real Qwen2
-modeling code on a tiny random config (``qwen_npu_compile.check.models.tiny_qwen2``: hidden 64, 2 layers,
+modeling code on a tiny random config (``qwen_npu_compile.cli.check.models.tiny_qwen2``: hidden 64, 2 layers,
 4 heads, 2 KV heads = GQA), compiled
 
 * whole-model (``torch.compile(model, backend="qwen_npu")``; on transformers 4.53-4.57 the graph
@@ -21,7 +21,7 @@ training's graph without its backward) or tests this project's own fallback logi
 monkeypatched away, so no version-dependent path (mask construction, packed/varlen, MoE, Dynamo/AOT
 behaviour, torchair conversion) goes untested on any stack.
 Each case asserts exact fusion counts, no fallback, no refusal, and parity with eager as ``check``
-judges it (``qwen_npu_compile.check.parity``): fp32 relative L2 error <= 1e-5 on logits and <= 1e-4 on
+judges it (``qwen_npu_compile.cli.check.parity``): fp32 relative L2 error <= 1e-5 on logits and <= 1e-4 on
 all gradients together; bf16 against an fp32 run of the same weights (relative L2 to it <= 2 x eager's
 + 1e-3), logits of real tokens only with left padding. The fusion totals go
 to the junit report (``record_property("fusions", ...)``), from which docs/supported-stacks.md's support table is
@@ -38,11 +38,12 @@ import pytest
 import torch
 
 from conftest import assert_runs_match, eager_and_reference
-from qwen_npu_compile import ALL_FAMILIES, canonicalize, compat, maybe_compile
-from qwen_npu_compile.check.harness import run_model
-from qwen_npu_compile.check.models import tiny_qwen2, tiny_qwen2_config
+from qwen_npu_compile import ALL_FAMILIES, compat, maybe_compile
+from qwen_npu_compile.graph import canonicalize
+from qwen_npu_compile.cli.check.harness import run_model
+from qwen_npu_compile.cli.check.models import tiny_qwen2, tiny_qwen2_config
 from qwen_npu_compile.patterns import expected_fusions
-from qwen_npu_compile.check.parity import relative_l2
+from qwen_npu_compile.cli.check.parity import relative_l2
 from qwen_npu_compile.report import SUMMARY
 from qwen_npu_compile.worker import ENV_COMPILE, layer_reports
 

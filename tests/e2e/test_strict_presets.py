@@ -17,7 +17,7 @@ import transformers
 
 from conftest import assert_parity
 from qwen_npu_compile import ALL_FAMILIES
-from qwen_npu_compile.check import models
+from qwen_npu_compile.cli.check import models
 from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.report import SUMMARY
 

@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwen_npu_compile.check.models import tiny_qwen2_config
+from qwen_npu_compile.cli.check.models import tiny_qwen2_config
 from qwen_npu_compile import cli
 from qwen_npu_compile.config import QwenNpuConfig
-from qwen_npu_compile.npu_ops import EMITTED_OPS
-from qwen_npu_compile.torchair_offline import wheel
-from qwen_npu_compile.torchair_offline.wheel import ENV_CACHE, ENV_WHEEL, TorchairUnavailableError
+from qwen_npu_compile.ops import EMITTED_OPS
+from qwen_npu_compile.torchair.offline import wheel
+from qwen_npu_compile.torchair.offline.wheel import ENV_CACHE, ENV_WHEEL, TorchairUnavailableError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -199,7 +199,7 @@ def sources():
 
 @pytest.mark.stack_compat
 def test_stand_in_schemas_equal_the_wheels(simulated_npu_ops, sources):
-    from qwen_npu_compile.torchair_offline.wheel_contracts import schema_mismatches
+    from tests.helpers.wheel_contracts import schema_mismatches
 
     assert schema_mismatches(sources.schemas_yaml, EMITTED_OPS) == {}
 
@@ -236,7 +236,7 @@ KNOWN_META_DIFFERENCES = {
 
 @pytest.mark.stack_compat
 def test_stand_in_fake_kernels_match_the_wheels_meta_kernels(simulated_npu_ops, sources):
-    from qwen_npu_compile.torchair_offline.wheel_contracts import load_meta_kernels, output_differences
+    from tests.helpers.wheel_contracts import load_meta_kernels, output_differences
 
     kernels = load_meta_kernels(sources.meta_registrations)
     assert set(EMITTED_OPS) <= set(kernels.functions)
@@ -266,7 +266,7 @@ def tiny_head_dim_64(tmp_path):
 
 def test_check_converts_a_fused_inference_graph(simulated_npu_ops, tiny_head_dim_64, tmp_path):
     out = tmp_path / "result.json"
-    done = _run(["-m", "qwen_npu_compile.cli", "check", str(tiny_head_dim_64), "--mode", "infer", "--seq-len", "16",
+    done = _run(["-m", "qwen_npu_compile", "check", str(tiny_head_dim_64), "--mode", "infer", "--seq-len", "16",
                  "--batch", "2", "--downstream", "torchair", "--json", str(out)], cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "GE conversion: ok" in done.stdout and "torchair 2." in done.stdout
@@ -279,7 +279,7 @@ def test_check_converts_a_fused_inference_graph(simulated_npu_ops, tiny_head_dim
     fused_ops = ("RmsNorm", "AddRmsNorm", "SwiGlu", "RotaryMul", "FlashAttentionScore")
     assert {op: ops.get(op, 0) for op in fused_ops} == {
         "RmsNorm": 1, "AddRmsNorm": 4, "SwiGlu": 2, "RotaryMul": 4, "FlashAttentionScore": 2}
-    # each SwiGLU reads qwen_npu.gate_up_proj: 2 BatchMatMulV2 and a ConcatD along axis 0 (ge_converters.py)
+    # each SwiGLU reads qwen_npu.gate_up_proj: 2 BatchMatMulV2 and a ConcatD along axis 0 (torchair/converters.py)
     assert (ops.get("BatchMatMulV2", 0), ops.get("ConcatD", 0)) == (4, 2)
     assert result["versions"]["npu_ops"] == "simulated" and result["versions"]["torch_npu"] is None
     assert result["versions"]["torch"] == torch.__version__

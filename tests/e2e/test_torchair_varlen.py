@@ -1,5 +1,5 @@
 """torchair FX->GE conversion (off-NPU, torch_npu 2.13.0 wheel) of packed-sequence graphs: the varlen ops
-through this project's converters (``qwen_npu_compile/ge_converters_varlen.py``).
+through this project's converters (``qwen_npu_compile/torchair/converters_varlen.py``).
 
 One subprocess (``torchair_varlen_cases.py``; importing torchair patches torch process-wide) converts every
 case and describes the GE graphs; the tests below read its JSON. Cases: a toy module (q/k/v projections
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwen_npu_compile import ge_converters
+from qwen_npu_compile.torchair import converters as ge_converters
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("torchair_varlen_cases.py")
@@ -99,7 +99,7 @@ def test_varlen_converters_are_registered_by_name():
 
 
 def test_drop_runtime_asserts_removes_the_unbacked_size_checks():
-    """Dynamo asserts an unbacked size (``mark_unbacked``, as integrations/varlen.py marks seq_ends) with
+    """Dynamo asserts an unbacked size (``mark_unbacked``, as substitutions/varlen_attention.py marks seq_ends) with
     ``sym_size >= 0`` + ``_assert_scalar``, which torchair cannot interpret; dropping them leaves a graph
     that computes the same."""
     captured = []
@@ -207,7 +207,7 @@ def test_seq_ends_from_positions_converts_to_nonzero_and_concat(converted):
 
 
 def test_fp32_varlen_attention_is_refused_with_the_limit_reason(converted):
-    from qwen_npu_compile.npu_ops import varlen_attention
+    from qwen_npu_compile.ops.qwen_npu import varlen_attention
 
     q = torch.empty(TOKENS, HEADS, HEAD_DIM)
     kv = torch.empty(TOKENS, 2, HEAD_DIM)
@@ -224,7 +224,7 @@ def test_fp32_varlen_attention_is_refused_with_the_limit_reason(converted):
 
 
 # ---------------------------------------------------------------------------------------------------
-# a packed tiny Qwen2: whole model (patterns/attention_varlen.py) and per decoder layer (integrations/varlen.py)
+# a packed tiny Qwen2: whole model (patterns/attention/varlen.py) and per decoder layer (substitutions/varlen_attention.py)
 
 
 @pytest.mark.parametrize("mode", ["train", "infer"])
@@ -266,7 +266,7 @@ def test_packed_qwen2_per_layer_converts(converted, mode):
     _assert_attention_node(node, heads=HEADS, scale=HEAD_DIM ** -0.5, ends_from="Data", dynamic=True)
     assert len(_nodes(forward, "RotaryMul")) == 2
     if mode == "train":
-        # The packed layer's token dim is dynamic from the first call (integrations/varlen.py
+        # The packed layer's token dim is dynamic from the first call (substitutions/varlen_attention.py
         # mark_tokens_dynamic) and cos/sin are graph inputs (sin = cat(f, f) cannot be proven): rotary is
         # qwen_npu.rotary_mul_aten_backward, RotaryMul forward and a backward of plain ATen ops
         # (torchair's RotaryMulGrad converter refuses dynamic shapes; patterns/rotary.py).

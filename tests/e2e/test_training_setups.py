@@ -15,9 +15,9 @@ import torch
 import transformers
 
 from conftest import assert_runs_match, eager_and_reference
-from qwen_npu_compile.check.harness import run_model
-from qwen_npu_compile.check.models import tiny_qwen2
-from qwen_npu_compile.check.parity import FP32_TOLERANCE, relative_l2
+from qwen_npu_compile.cli.check.harness import run_model
+from qwen_npu_compile.cli.check.models import tiny_qwen2
+from qwen_npu_compile.cli.check.parity import FP32_TOLERANCE, relative_l2
 from qwen_npu_compile.report import SUMMARY
 
 ISSUE = dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, vocab_size=256)

@@ -40,7 +40,7 @@ VERL_INSTALLED = importlib.util.find_spec("verl") is not None
 
 
 def tiny_qwen2(layers: int = 2):
-    from qwen_npu_compile.check.models import tiny_qwen2
+    from qwen_npu_compile.cli.check.models import tiny_qwen2
 
     return tiny_qwen2(num_hidden_layers=layers).train()
 
@@ -587,7 +587,7 @@ def test_verl_default_path_runs_varlen_in_one_graph_per_layer(default_path_runs,
 @needs_verl
 def test_verl_ulysses_sp2_matches_the_unset_run(default_path_runs):
     """Ulysses sp=2 on 2 gloo ranks: verl's all-to-all around attention keeps working (global offsets), the
-    varlen attention runs between the all-to-alls outside the graph (integrations/varlen.py _ulysses_dispatch),
+    varlen attention runs between the all-to-alls outside the graph (substitutions/varlen_attention.py _ulysses_dispatch),
     and with Dynamo's nested graph breaks each layer splits exactly once around it: the graph before attention
     (rms_norm 1, rotary 2) and the graph after (rms_norm 1, swiglu 1), at most 2 of each per layer call site
     over all packings, none after the first step; parity with the unset run."""
@@ -618,7 +618,7 @@ def test_verl_sdpa_with_ulysses_is_refused_at_build(default_path_runs):
 @pytest.fixture(scope="module")
 def torchair_default_path_run(tmp_path_factory):
     """verl's defaults in bf16 with QWEN_NPU_DOWNSTREAM=torchair: every layer graph goes through torchair's
-    FX->GE conversion off-NPU (the torch_npu wheel's torchair, qwen_npu_compile.torchair_offline) and runs
+    FX->GE conversion off-NPU (the torch_npu wheel's torchair, qwen_npu_compile.torchair.offline) and runs
     eagerly; skipped when no torch_npu wheel can be obtained."""
     from conftest import torchair_wheel_sources
 

@@ -38,7 +38,7 @@ import torch
 pytest.importorskip("verl")
 
 from conftest import assert_runs_match, run_ge_script, tiny_moe  # noqa: E402
-from qwen_npu_compile.check.harness import fp32_reference, run_model  # noqa: E402
+from qwen_npu_compile.cli.check.harness import fp32_reference, run_model  # noqa: E402
 
 NPU_PATCH = "verl.models.transformers.npu_patch"
 LAYERS = 2

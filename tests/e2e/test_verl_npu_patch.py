@@ -38,8 +38,8 @@ import transformers  # noqa: E402
 
 from conftest import assert_runs_match, tiny_hybrid, tiny_moe  # noqa: E402
 from qwen_npu_compile import ensure_npu_ops, maybe_compile  # noqa: E402
-from qwen_npu_compile.check.harness import fp32_reference, run_model  # noqa: E402
-from qwen_npu_compile.check.models import tiny_qwen2  # noqa: E402
+from qwen_npu_compile.cli.check.harness import fp32_reference, run_model  # noqa: E402
+from qwen_npu_compile.cli.check.models import tiny_qwen2  # noqa: E402
 from qwen_npu_compile.integrations import verl_npu_patch  # noqa: E402
 from qwen_npu_compile.integrations.npu_host import simulated_npu_host  # noqa: E402
 from qwen_npu_compile.patterns import FAMILIES, expected_fusions  # noqa: E402
@@ -171,7 +171,7 @@ def without_npu_patch(family: str, kind: str, layer: int) -> tuple[dict, dict]:
 
 def build_config(family: str):
     if family == "qwen2":
-        from qwen_npu_compile.check.models import tiny_qwen2_config
+        from qwen_npu_compile.cli.check.models import tiny_qwen2_config
 
         return tiny_qwen2_config(**QWEN2)
     if family == "qwen3_moe":

@@ -17,7 +17,7 @@ from transformers.models.qwen2 import modeling_qwen2
 
 import qwen_npu_compile
 from qwen_npu_compile import ALL_FAMILIES, maybe_compile
-from qwen_npu_compile.check.models import tiny_qwen2_config
+from qwen_npu_compile.cli.check.models import tiny_qwen2_config
 from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.worker import ENV_COMPILE, CompiledLayers, clean_name, find_decoder_layers, layer_reports
 

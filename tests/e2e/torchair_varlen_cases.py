@@ -6,7 +6,7 @@ the varlen ops, with the GE graphs' FlashAttentionScore(Grad) / NonZero / Rotary
 Prints one JSON line: ``{"unavailable": reason}`` when no torch_npu wheel can be obtained, else
 ``{"cases": {name: result}, "ir": {...}}``. Each case compiles with ``downstream="torchair"`` (torchair's
 real AOTAutograd and converters, ``run_eagerly``: the FX graphs then run with the simulated ops) and
-records the conversion (:class:`qwen_npu_compile.torchair_offline.GeResults`), the GE nodes of interest
+records the conversion (:class:`qwen_npu_compile.torchair.offline.GeResults`), the GE nodes of interest
 (attributes, the op types feeding each input, Data placements), the seconds spent and the largest
 deviation from the eager run. ``ir`` evaluates the GE subgraphs our converters build for the sequence
 ends and the compressed causal mask with NumPy (a model of each GE op's documented semantics: TF slice
@@ -100,7 +100,7 @@ class Toy(torch.nn.Module):
         self.from_positions = from_positions
 
     def forward(self, x, offsets):
-        from qwen_npu_compile.npu_ops import varlen_attention
+        from qwen_npu_compile.ops.qwen_npu import varlen_attention
 
         tokens = x.shape[0]
         q = self.q(x).view(tokens, HEADS, HEAD_DIM)
@@ -144,7 +144,7 @@ def _toy_case(mode, dtype, shape, from_positions):
 def _qwen2(dtype):
     from transformers import Qwen2ForCausalLM
 
-    from qwen_npu_compile.check.models import tiny_qwen2_config
+    from qwen_npu_compile.cli.check.models import tiny_qwen2_config
 
     torch.manual_seed(0)
     config = tiny_qwen2_config(hidden_size=256, intermediate_size=512, num_attention_heads=HEADS,
@@ -211,7 +211,7 @@ def run_case(name: str) -> dict:
     if kind == "toy":
         worst = _toy_case(mode, DTYPES[dtype_name], shape, from_positions=False)
     elif kind == "positions":
-        # The backend inserts seq_ends_from_positions after Dynamo (patterns/attention_varlen.py), so its
+        # The backend inserts seq_ends_from_positions after Dynamo (patterns/attention/varlen.py), so its
         # graphs hold no runtime assert of the op's unbacked size; Dynamo tracing a user's call of it emits
         # `sym_size >= 1` asserts, which torchair 2.13.0 cannot interpret (operator.ge on its ValuePack).
         with torch._dynamo.config.patch(do_not_emit_runtime_asserts=True):
@@ -302,8 +302,8 @@ def ir_checks() -> dict:
     from torchair._ge_concrete_graph import ge_apis as ge
     from torchair.ge._ge_graph import GeGraph, default_ge_graph
 
-    from qwen_npu_compile.npu_ops import varlen_attention
-    from qwen_npu_compile.npu_ops.fusion_attention import compressed_causal_mask
+    from qwen_npu_compile.ops.qwen_npu import varlen_attention
+    from qwen_npu_compile.ops.torch_npu.fusion_attention import compressed_causal_mask
 
     rows = [
         [0, 1, 2, 0, 1, 0, 1, 2, 3],
@@ -330,7 +330,7 @@ def ir_checks() -> dict:
                 if got != expected:
                     results["mismatches"].append({"rule": rule, "dtype": str(dtype), "row": row, "ge": got,
                                                   "kernel": expected})
-    from qwen_npu_compile import ge_converters_varlen
+    from qwen_npu_compile.torchair import converters_varlen as ge_converters_varlen
 
     graph = GeGraph(name="qwen_npu_mask_check")
     with default_ge_graph(graph):
@@ -345,7 +345,7 @@ def ir_checks() -> dict:
 
 
 def main(argv: list[str]) -> int:
-    from qwen_npu_compile.torchair_offline import TorchairUnavailableError, load_offline_torchair
+    from qwen_npu_compile.torchair.offline import TorchairUnavailableError, load_offline_torchair
 
     try:
         load_offline_torchair()

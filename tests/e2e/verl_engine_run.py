@@ -137,7 +137,7 @@ DYNAMIC_TOKENS = 64
 def save_tiny_qwen2(folder: str) -> None:
     from transformers import Qwen2ForCausalLM
 
-    from qwen_npu_compile.check.models import tiny_qwen2_config
+    from qwen_npu_compile.cli.check.models import tiny_qwen2_config
 
     torch.manual_seed(0)
     Qwen2ForCausalLM(tiny_qwen2_config(tie_word_embeddings=False, use_cache=True)).save_pretrained(folder)

@@ -23,7 +23,7 @@ import transformers
 from transformers.models.qwen3_5 import modeling_qwen3_5 as M
 import verl.models.transformers.qwen3_5 as VQ
 from qwen_npu_compile.integrations.npu_host import simulated_npu_host
-from qwen_npu_compile.npu_ops import gated_delta_rule as GDR
+from qwen_npu_compile.ops.qwen_npu import gated_delta_rule as GDR
 
 LOGITS = 3
 FLA_CALLS = []

@@ -1,4 +1,4 @@
-"""The AOT graphs' layout audit (qwen_npu_compile.aot_layout): torch's fake kernels that promise another
+"""The AOT graphs' layout audit (qwen_npu_compile.handoff.aot_layout): torch's fake kernels that promise another
 layout than the eager kernel are found at compile time and their output pinned to the traced layout.
 
 The torch bug behind the Qwen3.5 / Qwen3-Next training crash (issue 25): ``aten.softplus_backward``'s
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from qwen_npu_compile import aot_layout
+from qwen_npu_compile.handoff import aot_layout
 from qwen_npu_compile.report import SUMMARY
 
 #: the torch bug and the audit are version-dependent: every stack of the matrix runs this file (~10 s)

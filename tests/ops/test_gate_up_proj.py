@@ -9,8 +9,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from conftest import aot_traced, call_targets
-from qwen_npu_compile.npu_ops import gate_up_proj
-from qwen_npu_compile.npu_ops.limits import node_violation
+from qwen_npu_compile.ops.qwen_npu import gate_up_proj
+from qwen_npu_compile.ops.limits import node_violation
 
 OP = gate_up_proj.OP
 aten = torch.ops.aten

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwen_npu_compile.npu_ops import gated_delta_rule as G
-from qwen_npu_compile.npu_ops import gated_delta_rule_kernels as K
+from qwen_npu_compile.ops.qwen_npu import gated_delta_rule as G
+from qwen_npu_compile.ops.qwen_npu import gated_delta_rule_kernels as K
 
 modeling = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 hf_rule = modeling.torch_chunk_gated_delta_rule

@@ -26,7 +26,7 @@ bf16 operands (q, k, v, beta; g and the state fp32, as the DeltaNet has them) re
 the same (bf16-rounded) values, the naive reference run on the bf16 operands measured against it the same way.
 
 The module also pins the FLA stand-in (``tests/stand_ins/fla``) pretending 0.6.0 to that wheel's entry signature, and
-the op's Ascend binding (``npu_ops/gated_delta_rule_kernels.py``) to 0.6.0's entry through the stand-in.
+the op's Ascend binding (``ops/qwen_npu/gated_delta_rule_kernels.py``) to 0.6.0's entry through the stand-in.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwen_npu_compile.npu_ops import gated_delta_rule as G
-from qwen_npu_compile.npu_ops import gated_delta_rule_kernels as K
+from qwen_npu_compile.ops.qwen_npu import gated_delta_rule as G
+from qwen_npu_compile.ops.qwen_npu import gated_delta_rule_kernels as K
 
 OP = torch.ops.qwen_npu.chunk_gated_delta_rule
 FLA_CORE = "fla-core==0.6.0"

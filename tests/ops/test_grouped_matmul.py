@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import aot_traced, call_targets, torchair_wheel_sources
-from qwen_npu_compile.npu_ops import grouped_matmul as gmm
+from qwen_npu_compile.ops.torch_npu import grouped_matmul as gmm
 
 npu = torch.ops.npu
 
@@ -133,7 +133,7 @@ def sources():
 def test_stand_in_schema_and_meta_equal_the_wheels(simulated_npu_ops, sources):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from qwen_npu_compile.torchair_offline.wheel_contracts import describe, load_meta_kernels, schema_mismatches
+    from tests.helpers.wheel_contracts import describe, load_meta_kernels, schema_mismatches
 
     assert schema_mismatches(sources.schemas_yaml, ["npu_grouped_matmul"]) == {}
     meta = load_meta_kernels(sources.meta_registrations).functions["npu_grouped_matmul"]

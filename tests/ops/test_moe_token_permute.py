@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import aot_traced, call_targets, torchair_wheel_sources
-from qwen_npu_compile.npu_ops import moe_token_permute as mtp
+from qwen_npu_compile.ops.torch_npu import moe_token_permute as mtp
 
 npu = torch.ops.npu
 
@@ -180,7 +180,7 @@ def sources():
 def test_schemas_and_meta_equal_the_wheels(simulated_npu_ops, sources):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from qwen_npu_compile.torchair_offline.wheel_contracts import describe, load_meta_kernels, schema_mismatches
+    from tests.helpers.wheel_contracts import describe, load_meta_kernels, schema_mismatches
 
     assert schema_mismatches(sources.schemas_yaml, list(mtp.OPS)) == {}
     meta = load_meta_kernels(sources.meta_registrations).functions

@@ -40,14 +40,14 @@ def test_fake_kernel_shapes(simulated_npu_ops):
     ],
 )
 def test_violations(x1, x2, gamma, needs_grad, reason):
-    from qwen_npu_compile.npu_ops.add_rms_norm import add_rms_norm_violation
+    from qwen_npu_compile.ops.torch_npu.add_rms_norm import add_rms_norm_violation
 
     found = add_rms_norm_violation(torch.empty(x1), torch.empty(x2), torch.empty(gamma), needs_grad=needs_grad)
     assert found is not None and reason in found
 
 
 def test_violation_gamma_dtype_must_equal_x1():
-    from qwen_npu_compile.npu_ops.add_rms_norm import add_rms_norm_violation
+    from qwen_npu_compile.ops.torch_npu.add_rms_norm import add_rms_norm_violation
 
     x = torch.empty(2, 8, 64, dtype=torch.bfloat16)
     assert "gamma's must equal x1's" in add_rms_norm_violation(x, x, torch.empty(64))

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from conftest import aot_traced, call_targets as targets
-from qwen_npu_compile.npu_ops import fusion_attention
+from qwen_npu_compile.ops.torch_npu import fusion_attention
 
 
 pytestmark = pytest.mark.usefixtures("simulated_npu_ops")

@@ -1,4 +1,4 @@
-"""The blockwise ``npu_fusion_attention`` stand-in (:mod:`qwen_npu_compile.npu_ops.attention_blockwise`) against the
+"""The blockwise ``npu_fusion_attention`` stand-in (:mod:`qwen_npu_compile.ops.torch_npu.attention_blockwise`) against the
 dense formula it replaced (fp32 ``[B, N, Sq, Skv]`` scores and probabilities, :mod:`.attention_contract`), on
 several tiles per row and column: the masks the patterns emit (none; the compressed causal mask with
 ``sparse_mode=2``; an explicit padded causal mask with ``sparse_mode=0``), mode 3, the band, GQA, ``pse``, fully
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qwen_npu_compile.npu_ops import attention_blockwise, fusion_attention
-from qwen_npu_compile.npu_ops.attention_contract import _probabilities, probability_grads, weighted_values
+from qwen_npu_compile.ops.torch_npu import attention_blockwise, fusion_attention
+from qwen_npu_compile.ops.attention_contract import _probabilities, probability_grads, weighted_values
 
 pytestmark = pytest.mark.usefixtures("simulated_npu_ops")
 

@@ -7,7 +7,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from conftest import aot_traced, call_targets as targets
-from qwen_npu_compile.npu_ops import rotary_mul
+from qwen_npu_compile.ops.torch_npu import rotary_mul
 
 
 pytestmark = pytest.mark.usefixtures("simulated_npu_ops")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import aot_traced, call_targets as targets
-from qwen_npu_compile.npu_ops import rotary_mul_aten_backward
+from qwen_npu_compile.ops.qwen_npu import rotary_mul_aten_backward
 
 OP = rotary_mul_aten_backward.OP
 

@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from conftest import aot_traced, call_targets
-from qwen_npu_compile.npu_ops import limits, varlen_attention as va
-from qwen_npu_compile.npu_ops.fusion_attention import compressed_causal_mask
+from qwen_npu_compile.ops import limits
+from qwen_npu_compile.ops.qwen_npu import varlen_attention as va
+from qwen_npu_compile.ops.torch_npu.fusion_attention import compressed_causal_mask
 
 pytestmark = pytest.mark.usefixtures("simulated_npu_ops")
 
@@ -435,8 +436,8 @@ def test_stand_in_tnd_refusals(kwargs, match):
 
 
 def test_stand_in_tnd_fake_matches_the_wheels_meta_kernel():
-    from qwen_npu_compile.torchair_offline import wheel
-    from qwen_npu_compile.torchair_offline.wheel_contracts import load_meta_kernels, output_differences
+    from qwen_npu_compile.torchair.offline import wheel
+    from tests.helpers.wheel_contracts import load_meta_kernels, output_differences
 
     kernels = load_meta_kernels(wheel.obtain_sources(torch.__version__).meta_registrations)
     q, k, v = (t.detach().bfloat16() for t in make_qkv(LENS, 4, 2, 64))

@@ -12,13 +12,14 @@ import torch.nn.functional as F
 import transformers
 
 from conftest import assert_parity
-from qwen_npu_compile.check.models import tiny_qwen2
-from qwen_npu_compile.check.parity import FP32_TOLERANCE, relative_l2
+from qwen_npu_compile.cli.check.models import tiny_qwen2
+from qwen_npu_compile.cli.check.parity import FP32_TOLERANCE, relative_l2
 from qwen_npu_compile import backend, get_reports
 from qwen_npu_compile.config import QwenNpuConfig
-from qwen_npu_compile.fusion import CompileTarget
-from qwen_npu_compile.npu_ops import NpuOpsStatus
-from qwen_npu_compile.patterns import attention_varlen, get_family_pass
+from qwen_npu_compile.fusion.family import CompileTarget
+from qwen_npu_compile.ops import NpuOpsStatus
+from qwen_npu_compile.patterns.attention import varlen as attention_varlen
+from qwen_npu_compile.patterns import get_family_pass
 from qwen_npu_compile.patterns.attention import check_attention
 
 LAYERS = 2

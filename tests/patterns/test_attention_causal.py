@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 
 from conftest import assert_parity
-from qwen_npu_compile.check.models import tiny_qwen2
-from qwen_npu_compile.patterns import attention_mask
+from qwen_npu_compile.cli.check.models import tiny_qwen2
+from qwen_npu_compile.patterns.attention import masks as attention_mask
 
 LAYERS = 2
 BATCH, SEQ = 2, 24
@@ -65,7 +65,7 @@ def test_checkpointed_layers_prove_the_mask_their_caller_builds(npu_ops, rewritt
     """With activation checkpointing the mask reaches each layer's region body as an input: the proof
     follows it to the mask the calling graph builds, so every layer takes sparse_mode 2 (the region call
     still passes the explicit mask, now unused by attention)."""
-    from qwen_npu_compile import canonicalize
+    from qwen_npu_compile.graph import canonicalize
 
     model = tiny_qwen2(torch.float32, attn=attn, **GQA64).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

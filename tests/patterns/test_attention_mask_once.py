@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from conftest import assert_parity
-from qwen_npu_compile.check.models import tiny_qwen2
-from qwen_npu_compile.npu_ops.limits import bound_arguments
+from qwen_npu_compile.cli.check.models import tiny_qwen2
+from qwen_npu_compile.ops.limits import bound_arguments
 
 LAYERS = 3
 

@@ -25,9 +25,9 @@ import types
 import pytest
 import torch
 
-from qwen_npu_compile import canonicalize
-from qwen_npu_compile.fusion import CompileTarget, RefusalRecorder, targeting
-from qwen_npu_compile.npu_ops.limits import bound_arguments
+from qwen_npu_compile.graph import canonicalize
+from qwen_npu_compile.fusion.family import CompileTarget, RefusalRecorder, targeting
+from qwen_npu_compile.ops.limits import bound_arguments
 from qwen_npu_compile.patterns import attention
 
 ROWS = {row.name: row for row in attention.SPELLINGS}

@@ -1,6 +1,6 @@
 """Issue 18, whole-model compile: packed sequences (``position_ids`` restarting per sequence, no
 ``attention_mask``) make transformers build a ``[1, 1, T, T]`` block-diagonal causal mask in the graph;
-proven from the position ids (``patterns/attention_varlen.py``), attention runs as
+proven from the position ids (``patterns/attention/varlen.py``), attention runs as
 ``qwen_npu.varlen_attention`` with one ``seq_ends_from_positions`` per graph and no T x T tensor.
 Anything not proven (padding, a hand-written or edited mask, sliding window, batch > 1) keeps the
 explicit mask, with the reason recorded by the proof."""
@@ -17,10 +17,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import assert_parity
 from qwen_npu_compile import handoff
-from qwen_npu_compile.check.models import tiny_qwen2, tiny_qwen2_config
-from qwen_npu_compile.npu_ops import varlen_attention as varlen_ops
-from qwen_npu_compile.npu_ops.limits import bound_arguments
-from qwen_npu_compile.patterns import attention_varlen, expected_fusions
+from qwen_npu_compile.cli.check.models import tiny_qwen2, tiny_qwen2_config
+from qwen_npu_compile.ops.qwen_npu import varlen_attention as varlen_ops
+from qwen_npu_compile.ops.limits import bound_arguments
+from qwen_npu_compile.patterns.attention import varlen as attention_varlen
+from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.report import SUMMARY
 
 LAYERS = 2

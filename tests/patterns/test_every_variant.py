@@ -11,7 +11,7 @@ from transformers' real modeling code (tiny random configs, nothing from a model
   the table fails.
 * Every other family's variants (RMSNorm, SwiGLU, rotary) must match in a small corpus of whole-model
   graphs (1 decoder layer) captured by Dynamo, canonicalized and fused with the public
-  :func:`qwen_npu_compile.fuse.fuse`; the applied replacements are counted per variant
+  :func:`qwen_npu_compile.fusion.manager.fuse`; the applied replacements are counted per variant
   (:attr:`FuseResult.variants`) and pinned exactly per case, the attention rows included (one whole-model
   graph per attention implementation, static and dynamic, training and a KV-cache decode step).
 
@@ -33,11 +33,11 @@ import torch
 import transformers
 from packaging.version import Version
 
-from qwen_npu_compile import canonicalize
+from qwen_npu_compile.graph import canonicalize
 from qwen_npu_compile.config import QwenNpuConfig
-from qwen_npu_compile.integrations import deltanet
-from qwen_npu_compile.fuse import FuseResult, fuse
-from qwen_npu_compile.fusion import CompileTarget
+from qwen_npu_compile.substitutions import deltanet
+from qwen_npu_compile.fusion.manager import FuseResult, fuse
+from qwen_npu_compile.fusion.family import CompileTarget
 from qwen_npu_compile.patterns import FAMILIES, attention, get_family_pass
 
 pytestmark = pytest.mark.skipif(
@@ -224,7 +224,7 @@ def test_every_registered_variant_matches_a_realistic_graph(corpus):
 def test_attention_declares_exactly_its_table_rows(npu_ops):
     """Each row is compiled alone on transformers' attention functions by test_attention_variants.py; the
     packed-sequence variants come first, one per row a packed graph shows (test_attention_varlen.py)."""
-    from qwen_npu_compile.patterns import attention_varlen
+    from qwen_npu_compile.patterns.attention import varlen as attention_varlen
 
     varlen = [attention_varlen.variant_name(row) for row in attention_varlen.VARLEN_ROWS]
     assert _declared("attention") == varlen + [row.name for row in attention.SPELLINGS]

@@ -1,4 +1,4 @@
-"""Anchor ops in other roles (qwen_npu_compile.foreign_anchors): the Gated DeltaNet's l2norm rsqrt, its conv's
+"""Anchor ops in other roles (qwen_npu_compile.fusion.near_miss): the Gated DeltaNet's l2norm rsqrt, its conv's
 SiLU activation and the negated decay are not near misses (strict mode passes), while a real RMSNorm whose
 intermediate is reused stays one (strict mode raises)."""
 

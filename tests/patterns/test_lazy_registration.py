@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from qwen_npu_compile.fusion import FusionFamily, PatternVariant
+from qwen_npu_compile.fusion.family import FusionFamily, PatternVariant
 from qwen_npu_compile.patterns import FAMILIES
 
 aten = torch.ops.aten
@@ -29,7 +29,7 @@ def _ranks(family_pass) -> dict:
 def test_variants_register_when_their_anchor_appears_and_keep_declaration_order(npu_ops):
     lazy = FAMILIES["attention"]().make_pass()
     declared = [variant.name for variant in lazy.declared_variants]
-    # the packed-mask variants (patterns/attention_varlen.py, varlen_<row>) share their row's anchor
+    # the packed-mask variants (patterns/attention/varlen.py, varlen_<row>) share their row's anchor
     sdpa = [name for name in declared if name.removeprefix("varlen_").startswith("sdpa_")]
     eager = [name for name in declared if name.removeprefix("varlen_").startswith("eager_")]
     assert sdpa and eager and len(sdpa) + len(eager) == len(declared)

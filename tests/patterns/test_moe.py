@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from conftest import assert_parity, run_ge_script, tiny_moe
-from qwen_npu_compile.npu_ops import grouped_matmul as gmm
+from qwen_npu_compile.ops.torch_npu import grouped_matmul as gmm
 from qwen_npu_compile.patterns import expected_fusions
 
 LAYERS = 2
@@ -160,7 +160,7 @@ PRESETS = {
 def test_moe_presets_match_the_published_models(name):
     """The presets' shapes give the published parameter totals (within 1%), and ``check`` expects the moe
     family's counts (2 per sparse layer; swiglu: Qwen2-MoE's shared expert; rms_norm: Qwen3's q/k norms)."""
-    from qwen_npu_compile.check import models
+    from qwen_npu_compile.cli.check import models
 
     billions, counts = PRESETS[name]
     config = models.resolve_model_config(name)

@@ -21,7 +21,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from conftest import assert_parity, count_calls
 from qwen_npu_compile import get_reports
-from qwen_npu_compile.npu_ops import rotary_mul_aten_backward, rotary_mul_orthogonal
+from qwen_npu_compile.ops.qwen_npu import rotary_mul_aten_backward, rotary_mul_orthogonal
 from qwen_npu_compile.patterns import expected_fusions
 
 TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,

@@ -13,8 +13,8 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
 from conftest import assert_parity
 from qwen_npu_compile import get_reports
-from qwen_npu_compile.check.models import tiny_qwen2
-from qwen_npu_compile.check.parity import FP32_TOLERANCE, judge_parity
+from qwen_npu_compile.cli.check.models import tiny_qwen2
+from qwen_npu_compile.cli.check.parity import FP32_TOLERANCE, judge_parity
 
 LAYERS = 2
 CORE = {"fusions": "rms_norm,swiglu"}
@@ -211,7 +211,7 @@ def test_gamma_dtype_decides(npu_ops, weight_dtype, merged):
 
 
 def test_limits_map_the_node(npu_ops):
-    from qwen_npu_compile.npu_ops.limits import CHECKS
+    from qwen_npu_compile.ops.limits import CHECKS
 
     x = torch.empty(2, 8, 64)
     assert CHECKS["npu::npu_add_rms_norm"]({"x1": x, "x2": x, "gamma": torch.empty(64)}, "torchair") is None

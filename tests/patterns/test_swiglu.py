@@ -9,9 +9,9 @@ import torch
 
 from conftest import assert_parity, assert_runs_match, eager_and_reference
 from qwen_npu_compile import get_reports
-from qwen_npu_compile.check.harness import run_model
-from qwen_npu_compile.check.models import tiny_qwen2
-from qwen_npu_compile.npu_ops import gate_up_proj
+from qwen_npu_compile.cli.check.harness import run_model
+from qwen_npu_compile.cli.check.models import tiny_qwen2
+from qwen_npu_compile.ops.qwen_npu import gate_up_proj
 
 LAYERS = 2
 CORE = {"fusions": "rms_norm,swiglu"}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from qwen_npu_compile.npu_ops import ensure_npu_ops
+from qwen_npu_compile.ops import ensure_npu_ops
 
 ensure_npu_ops()  # torch.ops.npu.npu_swiglu: torch_npu's, else the simulated one (before any trace)
 

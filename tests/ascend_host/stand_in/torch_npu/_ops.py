@@ -1,7 +1,7 @@
 """The ``npu`` op namespace of the simulated Ascend host, as torch_npu 2.13.0 defines it.
 
 Schemas, reference kernels, fake kernels, autograd and limits are the project's own stand-ins
-(``qwen_npu_compile.npu_ops.*``: each module's ``register(lib)``), registered here through
+(``qwen_npu_compile.ops.*``: each module's ``register(lib)``), registered here through
 :class:`_DeviceLibrary`, which puts each kernel on the ``PrivateUse1`` key ONLY (never the CPU): a CPU
 tensor then gets "Could not run 'npu::npu_rms_norm' with arguments from the 'CPU' backend", as on a host.
 Each kernel runs on CPU aliases of its npu operands (no copy) and its outputs are copied to npu; an
@@ -125,7 +125,7 @@ def _chunk_gated_delta_rule(query, key, value, *, beta=None, initial_state=None,
     if reason is not None:
         raise RuntimeError(f"npu_chunk_gated_delta_rule: aclnnChunkGatedDeltaRule failed: {reason}")
     lengths = [int(n) for n in actual_seq_lengths.tolist()]
-    from qwen_npu_compile.npu_ops.gated_delta_rule import reference
+    from qwen_npu_compile.ops.qwen_npu.gated_delta_rule import reference
 
     repeat = value.shape[1] // query.shape[1]
     q, k = (x.repeat_interleave(repeat, dim=1) for x in (query, key))
@@ -145,9 +145,16 @@ def _fake_chunk_gated_delta_rule(query, key, value, *, beta=None, initial_state=
 
 def register_all() -> torch.library.Library:
     """Define the ``npu`` ops (every ``EMITTED_OPS`` op with its backward, verl's MoE ops, the delta rule op)."""
-    from qwen_npu_compile.npu_ops import (add_rms_norm, fusion_attention, grouped_matmul, moe_token_permute,
-                                          rms_norm, rotary_mul, swiglu)
-    from qwen_npu_compile.npu_ops.define import define_op
+    from qwen_npu_compile.ops.torch_npu import (
+        add_rms_norm,
+        fusion_attention,
+        grouped_matmul,
+        moe_token_permute,
+        rms_norm,
+        rotary_mul,
+        swiglu,
+    )
+    from qwen_npu_compile.ops.define import define_op
 
     lib = _DeviceLibrary("npu", "FRAGMENT")
     for module in (rms_norm, add_rms_norm, swiglu, rotary_mul, fusion_attention, grouped_matmul, moe_token_permute):
@@ -169,10 +176,10 @@ def define_the_rest(lib: torch.library.Library) -> None:
     schema and the wheel's meta kernel (``op_plugin/meta/_meta_registrations.py``), without a device kernel: on a
     host they exist, and torchair's own passes (e.g. ``patterns/add_rms_norm_dynamic_quant.py``) trace with them.
     Calling one on npu tensors says "Could not run 'npu::<op>' with arguments from the 'PrivateUse1' backend": the
-    simulated host does not compute it. The wheel comes from ``qwen_npu_compile.torchair_offline.wheel``."""
+    simulated host does not compute it. The wheel comes from ``qwen_npu_compile.torchair.offline.wheel``."""
     import yaml
 
-    from qwen_npu_compile.torchair_offline.wheel_contracts import load_meta_kernels
+    from tests.helpers.wheel_contracts import load_meta_kernels
 
     from ._wheel import sources
 

@@ -3,7 +3,7 @@
 As torch_npu 2.13.0's ``torch_npu/dynamo/__init__.py`` (``_install_lazy_torchair``): ``import torch_npu`` puts a
 :class:`_LazyTorchair` proxy in ``sys.modules["torchair"]``; the first attribute read imports torchair and the
 proxy forwards to it from then on. Here torchair is the wheel's own Python (the torch_npu 2.13.0 wheel, obtained
-and verified by ``qwen_npu_compile.torchair_offline.wheel``: ``$QWEN_NPU_TORCH_NPU_WHEEL`` or the cache) with its
+and verified by ``qwen_npu_compile.torchair.offline.wheel``: ``$QWEN_NPU_TORCH_NPU_WHEEL`` or the cache) with its
 four CANN extension modules replaced by the project's stand-ins (``torchair_offline.stubs``): FX→GE conversion
 runs as on a host; loading/running a GE graph raises ``CannRequiredError`` (what cannot run without an NPU).
 """
@@ -26,7 +26,7 @@ NPUGRAPH_EX_BACKEND = "npugraph_ex"
 
 def _import_wheel_torchair():
     """Import the wheel's torchair as the top-level package ``torchair`` (CANN modules stubbed)."""
-    from qwen_npu_compile.torchair_offline.stubs import install_stubs
+    from qwen_npu_compile.torchair.offline.stubs import install_stubs
     from .._wheel import sources
 
     sources = sources()

@@ -47,7 +47,7 @@ def prepare_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int = CHUNK_SIZE
 def _run(version: str, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
          use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu, chunk_indices,
          cp_context, kwargs):
-    from qwen_npu_compile.npu_ops.gated_delta_rule import reference
+    from qwen_npu_compile.ops.qwen_npu.gated_delta_rule import reference
 
     arguments = dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,

@@ -11,7 +11,7 @@ prints the docs/performance.md table ("Activation memory").
 
 Layers (training, bf16, one row of ``S`` tokens, B = 1; full run S = 4096): Qwen2.5-7B's dense decoder layer
 (``qwen2.5-7b`` preset), Qwen3-30B-A3B's MoE layer (``qwen3-30b-a3b``), Qwen3.5-27B's Gated DeltaNet layer and its
-full-attention layer (``qwen3.5-27b``; widths from :mod:`qwen_npu_compile.check.presets`). Each model is built with
+full-attention layer (``qwen3.5-27b``; widths from :mod:`qwen_npu_compile.cli.check.presets`). Each model is built with
 one decoder layer (Qwen3.5: ``layer_types = [kind]``); its forward is stopped at that layer's call to read the
 layer's arguments as the model builds them (hidden states = ``inputs_embeds``, a leaf that requires grad; the rotary
 cos/sin; the mask, ``None`` for one causal sequence), and the layer is then called on them in each setting
@@ -23,8 +23,8 @@ cos/sin; the mask, ``None`` for one causal sequence), and the layer is then call
   :mod:`benchmarks.verl_moe_patch`, :mod:`benchmarks.verl_qwen3_5_patch`: verl 0.9.1's ``npu_patch`` modelled on the
   npu stand-ins) and transformers' NPU flash attention (:func:`benchmarks.verl_patch.npu_flash_attention_2`), eager;
 * ``qwen_npu_none`` / ``qwen_npu_cheap``: the layer compiled as ``maybe_compile`` compiles it (one graph per decoder
-  layer) through qwen_npu's passes (:func:`qwen_npu_compile.fuse.fuse`, every family, checks as for torchair on an NPU,
-  as the traffic tables), then AOTAutograd with qwen_npu's partition (:func:`qwen_npu_compile.recompute.partition_fn`
+  layer) through qwen_npu's passes (:func:`qwen_npu_compile.fusion.manager.fuse`, every family, checks as for torchair on an NPU,
+  as the traffic tables), then AOTAutograd with qwen_npu's partition (:func:`qwen_npu_compile.handoff.recompute.partition_fn`
   around ``default_partition``) for ``recompute="none"`` / ``"cheap"``; the AOT graphs run eagerly;
 * ``hf_checkpointing``: transformers' gradient checkpointing (``gradient_checkpointing_enable(use_reentrant=False)``:
   the layer under non-reentrant :func:`torch.utils.checkpoint.checkpoint`), which saves the layer's positional inputs.
@@ -84,10 +84,12 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from qwen_npu_compile import canonicalize, compat, emit, ensure_npu_ops, recompute
-from qwen_npu_compile.check.models import resolve_model_config, tiny_qwen2_config, with_layers
+from qwen_npu_compile.graph import canonicalize, emit
+from qwen_npu_compile import compat, ensure_npu_ops
+from qwen_npu_compile.handoff import recompute
+from qwen_npu_compile.cli.check.models import resolve_model_config, tiny_qwen2_config, with_layers
 from qwen_npu_compile.config import ALL_FAMILIES, QwenNpuConfig
-from qwen_npu_compile.fuse import fuse
+from qwen_npu_compile.fusion.manager import fuse
 
 from . import moe_traffic, qwen3_5_traffic, traffic
 from .common import MIB, run_metadata, write_json
@@ -130,7 +132,7 @@ class LayerCase:
     Attributes:
         key: key in the results (``"qwen2.5-7b"``, ``"qwen3.5-27b linear_attention"``).
         label: the table's and plot's label.
-        preset: the :mod:`qwen_npu_compile.check.presets` name of the full run.
+        preset: the :mod:`qwen_npu_compile.cli.check.presets` name of the full run.
         family: ``"dense"``, ``"moe"`` or ``"qwen3_5"`` (model class, verl patches, tiny config, traffic results).
         kind: the Qwen3.5 ``layer_types`` value, else None.
     """

@@ -31,7 +31,7 @@ import torch
 import transformers
 
 from qwen_npu_compile import ensure_npu_ops
-from qwen_npu_compile.check.models import tiny_qwen2_config
+from qwen_npu_compile.cli.check.models import tiny_qwen2_config
 from qwen_npu_compile.config import ALL_FAMILIES
 
 from .common import linear_fit, median, progress

@@ -71,7 +71,7 @@ def layer_pair_config(vocab_size: int = 4096, layer_types=("linear_attention", "
     linear-attention and one full-attention layer)."""
     import transformers
 
-    from qwen_npu_compile.check.presets import PRESETS
+    from qwen_npu_compile.cli.check.presets import PRESETS
 
     fields = dict(PRESETS["qwen3.5-0.8b"])
     fields.pop("model_type")
@@ -86,7 +86,7 @@ def one_mode(mode: str, seq_len: int, steps: int, attention: str, layer_types) -
     import transformers
 
     import qwen_npu_compile
-    from qwen_npu_compile.npu_ops import attention_blockwise
+    from qwen_npu_compile.ops.torch_npu import attention_blockwise
 
     if attention == "dense":
         attention_blockwise.BLOCK_Q = attention_blockwise.BLOCK_K = 1 << 30
@@ -135,8 +135,8 @@ def one_op(kind: str, seq_len: int, steps: int) -> dict:
     import torch.nn.functional as F
 
     import qwen_npu_compile
-    from qwen_npu_compile.npu_ops import fusion_attention as fa
-    from qwen_npu_compile.npu_ops.attention_contract import _probabilities, probability_grads, weighted_values
+    from qwen_npu_compile.ops.torch_npu import fusion_attention as fa
+    from qwen_npu_compile.ops.attention_contract import _probabilities, probability_grads, weighted_values
 
     qwen_npu_compile.ensure_npu_ops()
     b, n, nkv, d = (OP_SHAPE[k] for k in ("batch", "heads", "kv_heads", "head_dim"))

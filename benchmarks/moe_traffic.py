@@ -69,7 +69,7 @@ from pathlib import Path
 import torch
 import torch.fx
 
-from qwen_npu_compile.check.models import resolve_model_config, with_layers
+from qwen_npu_compile.cli.check.models import resolve_model_config, with_layers
 from qwen_npu_compile.config import ALL_FAMILIES
 
 from . import traffic
@@ -128,8 +128,8 @@ def build_moe_graphs(config, layers: int, variants: Sequence[MoeVariant], tokens
     """Capture ``layers`` Qwen3-MoE decoder layers once under fake tensors; return each variant's AOT graphs.
 
     The variants must agree on :attr:`MoeVariant.verl` (one Dynamo capture of one model code). Non-verl variants get
-    the canonical ATen graph, their passes (:func:`qwen_npu_compile.fuse.fuse`, checks as for torchair on an NPU) and
-    :func:`qwen_npu_compile.emit.finalize`; the verl variant gets Dynamo's graph as it is (module docstring).
+    the canonical ATen graph, their passes (:func:`qwen_npu_compile.fusion.manager.fuse`, checks as for torchair on an NPU) and
+    :func:`qwen_npu_compile.graph.emit.finalize`; the verl variant gets Dynamo's graph as it is (module docstring).
 
     Args:
         config: a :class:`transformers.Qwen3MoeConfig` (only its shapes are used).

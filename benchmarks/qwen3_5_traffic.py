@@ -32,7 +32,7 @@ Variants (:data:`VARIANTS`):
   no pass of ours. The attention output gate, the DeltaNet and the dense MLP are not patched by verl.
 * ``qwen_npu``: every family (:data:`qwen_npu_compile.config.ALL_FAMILIES`): whatever the families emit at the
   time of the run (``fusions_per_layer`` in the results says what fused), the delta rule op on its **reference
-  kernel** (what an Ascend host runs without FLA: ``npu_ops/gated_delta_rule_kernels.py``).
+  kernel** (what an Ascend host runs without FLA: ``ops/qwen_npu/gated_delta_rule_kernels.py``).
 * ``qwen_npu_fla``: the same graphs, the delta rule op on **FLA >= 0.5.2's kernels** (triton-ascend), what an
   Ascend host with FLA runs.
 
@@ -115,7 +115,7 @@ LAYER_KINDS = ("linear_attention", "full_attention")
 CHUNK = 64
 
 SOLVE_TRIANGULAR = "aten.linalg_solve_triangular.default"
-#: The Gated DeltaNet's delta rule as one op (``qwen_npu_compile.npu_ops.gated_delta_rule``) and its backward op.
+#: The Gated DeltaNet's delta rule as one op (``qwen_npu_compile.ops.qwen_npu.gated_delta_rule``) and its backward op.
 DELTA_RULE = "qwen_npu.chunk_gated_delta_rule.default"
 DELTA_RULE_BACKWARD = "qwen_npu.chunk_gated_delta_rule_backward.default"
 
@@ -234,13 +234,13 @@ def _op_shapes(node: torch.fx.Node) -> tuple:
 
 def reference_kernel_graph(node: torch.fx.Node) -> torch.fx.GraphModule:
     """The ATen graph of the op's reference kernel at this node's shapes (fake tensors, ``make_fx``): the forward
-    (:func:`qwen_npu_compile.npu_ops.gated_delta_rule.reference`) or, for the backward op, the reference recomputed
+    (:func:`qwen_npu_compile.ops.qwen_npu.gated_delta_rule.reference`) or, for the backward op, the reference recomputed
     and differentiated by autograd (what the backward op's reference kernel runs). Only ``cu_seqlens = None`` (the
     benchmark's one row)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from qwen_npu_compile.npu_ops.gated_delta_rule import reference
+    from qwen_npu_compile.ops.qwen_npu.gated_delta_rule import reference
 
     (q, k, v, g, beta), cu_seqlens, scale = _op_shapes(node)
     if cu_seqlens is not None:
@@ -466,8 +466,8 @@ def build_graphs(config, kind: str, layers: int, variants: Sequence[Qwen35Varian
     """Capture ``layers`` Qwen3.5 decoder layers of kind ``kind`` once under fake tensors; each variant's AOT graphs.
 
     The variants must agree on :attr:`Qwen35Variant.verl` (one Dynamo capture of one model code). Each gets the
-    canonical ATen graph, its passes (:func:`qwen_npu_compile.fuse.fuse`, checks as for torchair on an NPU; none for
-    eager and verl) and :func:`qwen_npu_compile.emit.finalize`, then AOTAutograd (backward compiled eagerly).
+    canonical ATen graph, its passes (:func:`qwen_npu_compile.fusion.manager.fuse`, checks as for torchair on an NPU; none for
+    eager and verl) and :func:`qwen_npu_compile.graph.emit.finalize`, then AOTAutograd (backward compiled eagerly).
 
     Returns:
         Per variant name ``{"forward": GraphModule, "backward": GraphModule (training), "fusions": {family: n}}``,

@@ -1,7 +1,7 @@
 """Part 3: the one-time cost of building the pattern passes, measured in a fresh process.
 
 Each family traces and registers a pattern variant (``register_replacement``) the first time one of its
-anchor ops occurs in a graph being fused (:meth:`qwen_npu_compile.fusion.FamilyPass.ensure_registered`),
+anchor ops occurs in a graph being fused (:meth:`qwen_npu_compile.fusion.family.FamilyPass.ensure_registered`),
 once per process: an SDPA model never registers the eager-attention variants. This
 module runs itself as a child process (``python -m benchmarks.registration --child OUT.json``) so that
 nothing is registered yet, and there:
@@ -79,7 +79,7 @@ def _child(out_path: Path, warm_up: bool = True) -> None:
         calls["n"] += 1
         return original(*args, **kwargs)
 
-    pm.register_replacement = counting  # fusion.py calls pm.register_replacement at registration time
+    pm.register_replacement = counting  # fusion/family.py calls pm.register_replacement at registration time
 
     start = time.perf_counter()
     from qwen_npu_compile import ensure_npu_ops

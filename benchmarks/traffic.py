@@ -9,9 +9,9 @@ How the graphs are built (no memory needed, B=1, S=4096 at 7B costs ~0.5 GB of h
    the final norm nor the LM head is counted, while the rotary cos/sin and the causal mask are built
    exactly as the model builds them.
 2. ``torch.compile(fullgraph=True)`` with a recording backend: Dynamo's graph goes through
-   :func:`qwen_npu_compile.canonicalize.to_aten_graph`, then the variant's family passes
-   (:func:`qwen_npu_compile.fuse.fuse`, checks as for torchair on an NPU) and
-   :func:`qwen_npu_compile.emit.finalize`, then AOTAutograd (default partitioner, no recomputation, backward
+   :func:`qwen_npu_compile.graph.canonicalize.to_aten_graph`, then the variant's family passes
+   (:func:`qwen_npu_compile.fusion.manager.fuse`, checks as for torchair on an NPU) and
+   :func:`qwen_npu_compile.graph.emit.finalize`, then AOTAutograd (default partitioner, no recomputation, backward
    compiled eagerly) whose forward and backward compilers record the two graphs. Variants that run the
    same model code share one Dynamo capture (each gets its own ATen graph, passes and AOT run).
 3. Per layer = graph(L=2) - graph(L=1), op by op; what L=1 has beyond one layer is the once-per-forward
@@ -85,14 +85,15 @@ import transformers
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers.models.qwen2 import modeling_qwen2
 
-from qwen_npu_compile import canonicalize, emit, ensure_npu_ops
+from qwen_npu_compile.graph import canonicalize, emit
+from qwen_npu_compile import ensure_npu_ops
 from qwen_npu_compile.config import ALL_FAMILIES, QwenNpuConfig
-from qwen_npu_compile.fuse import fuse
-from qwen_npu_compile.fusion import CompileTarget
-from qwen_npu_compile.integrations import deltanet
-from qwen_npu_compile.npu_ops import gate_up_proj
-from qwen_npu_compile.npu_ops.limits import bound_arguments
-from qwen_npu_compile.check.models import resolve_model_config, tiny_qwen2_config, with_layers
+from qwen_npu_compile.fusion.manager import fuse
+from qwen_npu_compile.fusion.family import CompileTarget
+from qwen_npu_compile.substitutions import deltanet
+from qwen_npu_compile.ops.qwen_npu import gate_up_proj
+from qwen_npu_compile.ops.limits import bound_arguments
+from qwen_npu_compile.cli.check.models import resolve_model_config, tiny_qwen2_config, with_layers
 
 from .common import MIB, progress
 from .verl_patch import SOURCES as VERL_SOURCES
@@ -183,7 +184,7 @@ ATTENTION_OP_NAMES = frozenset(
     }
 )
 
-#: Our fused varlen attention (``qwen_npu_compile/npu_ops/varlen_attention.py``): counted like the npu ops
+#: Our fused varlen attention (``qwen_npu_compile/ops/qwen_npu/varlen_attention.py``): counted like the npu ops
 #: (a copy feeding it is glue), although it lives in the ``qwen_npu`` namespace.
 VARLEN_OP_NAMES = frozenset({"qwen_npu::varlen_attention", "qwen_npu::varlen_attention_backward"})
 
@@ -274,7 +275,7 @@ PACKED_VARIANTS = (
         "qwen_npu_varlen",
         tuple(ALL_FAMILIES),
         False,
-        "qwen_npu, every family: the packed mask proven from position_ids (patterns/attention_varlen.py), "
+        "qwen_npu, every family: the packed mask proven from position_ids (patterns/attention/varlen.py), "
         "attention as qwen_npu.varlen_attention (TND, seq_ends_from_positions once per graph; no T x T tensor)",
     ),
     Variant("verl", (), True, VERL_DESCRIPTION, attention="npu_fa2"),
@@ -393,7 +394,7 @@ def _varlen_mask_bytes(node: torch.fx.Node) -> int:
     """Bytes ``qwen_npu.varlen_attention``/``_backward`` read of the compressed causal mask they pass inside.
 
     The op calls ``npu_fusion_attention(_grad)(..., "TND", atten_mask=<2048x2048 bool>, sparse_mode=3)``
-    (``npu_ops/varlen_attention.py``), so its kernel reads the mask although no graph node holds it:
+    (``ops/qwen_npu/varlen_attention.py``), so its kernel reads the mask although no graph node holds it:
     ``min(2048², T²)`` bytes, the rule of :func:`_compressed_mask_bytes` with ``Sq = Skv = T`` (what
     verl's TND call of ``npu_fusion_attention`` is charged too). 0 for any other node.
     """
@@ -763,10 +764,10 @@ MODELLED_TARGET = CompileTarget("torchair", simulated=False)
 def explicit_mask_only() -> Iterator[None]:
     """Within the block, no attention mask is proven packed: the attention pass fuses transformers'
     ``[1, 1, T, T]`` packed mask as an explicit ``atten_mask`` (qwen_npu before the varlen recognition,
-    ``patterns/attention_varlen.py``). Its varlen variants then refuse with this reason."""
+    ``patterns/attention/varlen.py``). Its varlen variants then refuse with this reason."""
     from unittest import mock
 
-    from qwen_npu_compile.patterns import attention_varlen
+    from qwen_npu_compile.patterns.attention import varlen as attention_varlen
 
     reason = "varlen recognition off (benchmarks.traffic.explicit_mask_only: the explicit-mask configuration)"
     with mock.patch.object(attention_varlen, "packed_mask", lambda mask: reason):
@@ -925,8 +926,8 @@ def capture_layers(model_class, cfg, variants: Sequence, tokens: int, dtype: tor
     The variants must agree on ``verl`` (one Dynamo capture of one model code; ``verl_patches()`` is entered for
     verl variants). Each gets the canonical ATen graph (unless ``canonical(variant)`` is False: a graph applying a
     custom ``autograd.Function``, which canonicalization refuses, is handed over as captured), its passes
-    (:func:`qwen_npu_compile.fuse.fuse`, checks as for torchair on an NPU) and
-    :func:`qwen_npu_compile.emit.finalize`, then AOTAutograd (backward compiled eagerly).
+    (:func:`qwen_npu_compile.fusion.manager.fuse`, checks as for torchair on an NPU) and
+    :func:`qwen_npu_compile.graph.emit.finalize`, then AOTAutograd (backward compiled eagerly).
 
     Returns:
         Per variant name ``{"forward": GraphModule, "backward": GraphModule (training), "fusions": {family: n}}``,
@@ -991,7 +992,7 @@ def capture_verl(variant) -> tuple[bool]:
 def capture_verl_deltanet(variant) -> tuple[bool, bool]:
     """:func:`capture_verl` for models with a Gated DeltaNet: also whether its delta rule is substituted by
     ``qwen_npu::chunk_gated_delta_rule`` while Dynamo traces (the ``gated_delta_rule`` family,
-    :mod:`qwen_npu_compile.integrations.deltanet`), which a capture fixes for all its variants."""
+    :mod:`qwen_npu_compile.substitutions.deltanet`), which a capture fixes for all its variants."""
     return variant.verl, "gated_delta_rule" in variant.families
 
 

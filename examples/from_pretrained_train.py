@@ -6,7 +6,7 @@ What a training script does with a checkpoint on disk (e.g. one fetched with
 
     python examples/from_pretrained_train.py --model-dir Qwen2.5-0.5B-Instruct --seq-len 32
 
-Without ``--model-dir`` a tiny random-weight Qwen2 (``qwen_npu_compile.check.models.tiny_qwen2``) is written with
+Without ``--model-dir`` a tiny random-weight Qwen2 (``qwen_npu_compile.cli.check.models.tiny_qwen2``) is written with
 ``save_pretrained`` to a temporary folder first, so the example runs anywhere in seconds. Then:
 ``AutoModelForCausalLM.from_pretrained(folder)``, ``torch.compile(model, backend="qwen_npu")``, one AdamW step on
 random tokens (labels = inputs), and the fusions per family of the compiled training graph are printed (a Qwen2 of L layers: rms_norm 2L + 1,
@@ -35,7 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def save_tiny_model(folder: Path) -> Path:
     """Write a tiny random-weight Qwen2 (2 layers, hidden 64) to ``folder`` with ``save_pretrained``."""
-    from qwen_npu_compile.check.models import tiny_qwen2
+    from qwen_npu_compile.cli.check.models import tiny_qwen2
 
     tiny_qwen2(num_hidden_layers=2).save_pretrained(folder)
     return folder

@@ -36,7 +36,7 @@ ENV_COMPILE = "QWEN_NPU_COMPILE"  # qwen_npu_compile.worker.ENV_COMPILE (kept im
 
 def tiny_config(layers: int):
     """A Qwen2 small enough for CPU: hidden 64, 4 heads (2 KV heads), vocab 128, fp32."""
-    from qwen_npu_compile.check.models import tiny_qwen2_config
+    from qwen_npu_compile.cli.check.models import tiny_qwen2_config
 
     return tiny_qwen2_config(num_hidden_layers=layers, tie_word_embeddings=False, use_cache=True)
 

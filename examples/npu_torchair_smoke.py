@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from qwen_npu_compile.check.harness import DTYPES
+from qwen_npu_compile.cli.check.harness import DTYPES
 from qwen_npu_compile.cli import positive_int
 
 
@@ -77,9 +77,9 @@ def train(model, runner, input_ids, steps: int, lr: float) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from qwen_npu_compile import ensure_npu_ops, get_reports
-    from qwen_npu_compile.check import models
-    from qwen_npu_compile.check.table import FUSED_GE_OPS
-    from qwen_npu_compile.torchair_offline import TorchairUnavailableError
+    from qwen_npu_compile.cli.check import models
+    from qwen_npu_compile.cli.check.table import FUSED_GE_OPS
+    from qwen_npu_compile.torchair.offline import TorchairUnavailableError
 
     status = ensure_npu_ops()
     device = pick_device(status)

@@ -5,7 +5,7 @@ Two tiny random-weight models of transformers' real modeling code are trained fr
 same data, once eagerly and once compiled the way verl's FSDP worker compiles them, and the loss of every step is
 written to a JSON file and plotted (one panel per model):
 
-- **Qwen2** (``Qwen2ForCausalLM``, 2 layers, hidden 64, vocab 128: ``qwen_npu_compile.check.models.tiny_qwen2``);
+- **Qwen2** (``Qwen2ForCausalLM``, 2 layers, hidden 64, vocab 128: ``qwen_npu_compile.cli.check.models.tiny_qwen2``);
 - **Qwen3.5** (``Qwen3_5ForCausalLM``, 4 layers: 3 Gated DeltaNet + 1 full attention, hidden 128, vocab 256).
 
 The data is verl's ``use_remove_padding`` layout: each micro-batch is one packed row, ``input_ids [1, T]`` (int64)
@@ -178,7 +178,7 @@ def build_model(name: str, dtype, seed: int):
     import torch
     import transformers
 
-    from qwen_npu_compile.check.models import tiny_qwen2_config
+    from qwen_npu_compile.cli.check.models import tiny_qwen2_config
 
     torch.manual_seed(seed)
     if name == "qwen2":

@@ -86,7 +86,7 @@ def run_one(mode: str, dtype: str, attn: str, shape: str, padding: str, folder: 
     """One ``check`` run in its own process (``threads``: its torch/OpenMP threads, default torch's); returns its
     JSON result (or the error it printed)."""
     out = folder / f"{mode}-{dtype}-{attn}-{shape}-{padding}.json"
-    command = [sys.executable, "-m", "qwen_npu_compile.cli", "check", "qwen2.5-0.5b", "--layers", "2", "--seq-len", str(SEQ_LEN[dtype]),
+    command = [sys.executable, "-m", "qwen_npu_compile", "check", "qwen2.5-0.5b", "--layers", "2", "--seq-len", str(SEQ_LEN[dtype]),
                "--vocab-size", str(VOCAB_SIZE),
                "--downstream", "torchair", "--mode", mode, "--dtype", dtype, "--attn", attn, "--json", str(out)]
     if shape == "dynamic":

@@ -311,7 +311,7 @@ def run_stack(stack: Stack, python: Path | None, keep: bool, wheelhouse: Path = 
 def _wheel_env(python: Path, torch_npu: str) -> dict[str, str]:
     """The environment naming the torch_npu ``torch_npu`` wheel (found or downloaded by the package's own
     ``obtain_wheel``, in the stack's interpreter) as ``QWEN_NPU_TORCH_NPU_WHEEL``."""
-    code = ("import sys; from qwen_npu_compile.torchair_offline.wheel import obtain_wheel; "
+    code = ("import sys; from qwen_npu_compile.torchair.offline.wheel import obtain_wheel; "
             "print(obtain_wheel(sys.argv[1]))")
     out = subprocess.run([str(python), "-W", "ignore", "-c", code, torch_npu], check=True, capture_output=True,
                          text=True).stdout
@@ -664,7 +664,7 @@ def _canary_checks(python: Path, workdir: Path, test_env: dict[str, str] | None 
                         + (f"; failed: {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}" if bad else "") + ")")
     for check in CANARY_CHECKS:
         log(f"newest: qwen-npu-compile check {' '.join(check)}")
-        proc = subprocess.run([str(python), "-m", "qwen_npu_compile.cli", "check", *check], cwd=ROOT,
+        proc = subprocess.run([str(python), "-m", "qwen_npu_compile", "check", *check], cwd=ROOT,
                               capture_output=True, text=True)
         print(proc.stdout[-3000:], proc.stderr[-2000:], sep="\n", flush=True)
         if proc.returncode != 0:

@@ -1,5 +1,5 @@
 """A whole-model graph of a row packed by ``position_ids``: the Gated DeltaNet per sequence, from attention's
-packing proof (issue 34). Imports :mod:`.attention.packed` (the proof) and the op modules.
+packing proof. Imports :mod:`.attention.packed` (the proof) and the op modules.
 
 ``torch.compile(model)`` of a Qwen3.5 given one row whose ``position_ids`` restart per sequence (verl's
 ``use_remove_padding`` layout, no ``attention_mask``, no ``cu_seq_lens_q``): transformers 5.24 builds the

@@ -16,9 +16,9 @@ models compiled in one process with two dump dirs get one summary each)::
 
     {"simulated": bool, "versions": {...}, "graphs": [report.json, ...],
      "totals": {family: fusions summed over the graphs},
-     "variants": {variant name: replacements summed over the graphs}}   # "variants": added in issue 13
+     "variants": {variant name: replacements summed over the graphs}}
 
-Dumps never stop training (issue 21): the first write that fails (an unwritable or vanished folder, a
+Dumps never stop training: the first write that fails (an unwritable or vanished folder, a
 full disk) logs one warning naming the folder and the error, and dumping stays off for that dump
 folder for the rest of the process; with ``strict`` it raises
 :class:`~qwen_npu_compile.report.FusionError` naming the dump stage instead. A ``dump_dir`` that cannot

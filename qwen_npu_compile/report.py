@@ -7,11 +7,11 @@ the npu ops of the AOT / GE graphs (hand off). Writing it to disk (``report.json
 folder's ``summary.json``) is :mod:`qwen_npu_compile.dump`'s job.
 
 ``report.json`` is :meth:`GraphReport.as_dict`: the attributes below, ``refused`` as
-``[{"family", "reason", "source", "node"}]``. Field ``variants`` (added in issue 13):
+``[{"family", "reason", "source", "node"}]``. Field ``variants``:
 ``{variant name: replacements applied}`` for the variants that matched, e.g.
 ``{"rms_norm_half": 5, "swiglu_linear_silu_left": 2}``; per family they add up to ``fusions``.
-Field ``layout_pins`` (added in issue 25): the AOT graph nodes pinned to their traced layout
-(:mod:`qwen_npu_compile.handoff.aot_layout`). Fields ``fallback_stage`` and ``downstream_fallbacks`` (added in issue 21): the stage whose failure made
+Field ``layout_pins``: the AOT graph nodes pinned to their traced layout
+(:mod:`qwen_npu_compile.handoff.aot_layout`). Fields ``fallback_stage`` and ``downstream_fallbacks``: the stage whose failure made
 the graph compile unfused, and every time the downstream backend failed and the graph ran one step
 further down (``torchair`` → ``aot_eager`` → ``eager``; :mod:`qwen_npu_compile.handoff`).
 """

@@ -9,7 +9,7 @@ graphs, recorded per graph in ``report.ge`` (GE op counts, every node that faile
 the FX graphs run eagerly with the simulated ops (torchair ``debug.run_eagerly``).
 In both cases this project's GE converters are registered before any conversion.
 
-The hand-off never stops training (issue 21): when the downstream backend raises while converting or
+The hand-off never stops training: when the downstream backend raises while converting or
 compiling the graph, or at the first run of a compiled AOT graph, that graph runs one step further down,
 ``torchair`` → ``aot_eager`` (the same rewritten FX graph with the fused ops, through AOTAutograd, its
 AOT graphs run eagerly) → ``eager`` (the rewritten graph's ``forward``; ``inductor`` falls back to

@@ -1,7 +1,7 @@
 """Layout audit of the AOT graphs: find, at compile time, the nodes whose FakeTensor strides differ from
 what the eager kernel returns, and pin their output to the layout the graph was traced with.
 
-Why (issue 25). AOTAutograd traces the joint graph with FakeTensors and decides from their strides
+Why it is needed. AOTAutograd traces the joint graph with FakeTensors and decides from their strides
 whether a ``reshape`` can be a ``view``. When an op's fake (meta) kernel promises a layout its eager
 kernel does not produce, the AOT graph holds an ``aten.view`` that raises at run time::
 

@@ -19,6 +19,6 @@ from qwen_npu_compile.ops.torch_npu import (
 
 LIBRARY = torch.library.Library("npu", "FRAGMENT")
 
-# moe_token_permute: not emitted by this project, called by verl's npu_patch MoE block (issue 20)
+# moe_token_permute: not emitted by this project, called by verl's npu_patch MoE block
 for _module in (rms_norm, add_rms_norm, swiglu, rotary_mul, fusion_attention, grouped_matmul, moe_token_permute):
     _module.register(LIBRARY)

@@ -14,7 +14,7 @@ FAMILIES: dict[str, tuple[str, str, bool]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM", False),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", True),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", False),
-    # hybrid Gated DeltaNet + gated attention (issue 25): transformers 5.x (Qwen3.5), 4.57+ (Qwen3-Next)
+    # hybrid Gated DeltaNet + gated attention: transformers 5.x (Qwen3.5), 4.57+ (Qwen3-Next)
     "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", False),
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", False),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", False),

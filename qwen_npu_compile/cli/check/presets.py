@@ -233,7 +233,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=4096,
         tie_word_embeddings=False, attention_dropout=0.0, hidden_act="silu",
     ),
-    # MoE (issue 20; the moe fusion family). Shapes of the published config.json files (huggingface.co/Qwen/<name>):
+    # MoE (the moe fusion family). Shapes of the published config.json files (huggingface.co/Qwen/<name>):
     # the Qwen3-MoE shapes agree with THUDM/slime scripts/models/qwen3-{30B-A3B,235B-A22B}.sh (hidden, FFN, MoE
     # FFN, heads/groups, kv-channels 128, layers, experts 128, top-8, eps 1e-6, rope 1e6, vocab 151936, untied);
     # Qwen1.5-MoE-A2.7B with a config.json copy (Qwen1.5-MoE-A2.7B-Chat-GPTQ-Int4 model card: 60 experts, top-4,
@@ -274,7 +274,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
-# Hybrid Gated DeltaNet + gated attention (issue 25): Qwen3.5 dense (model_type ``qwen3_5_text``), Qwen3.5-MoE
+# Hybrid Gated DeltaNet + gated attention: Qwen3.5 dense (model_type ``qwen3_5_text``), Qwen3.5-MoE
 # (``qwen3_5_moe_text``) and Qwen3-Next (``qwen3_next``). The released Qwen3.5 checkpoints are multimodal
 # (``Qwen3_5ForConditionalGeneration``, ``model_type`` qwen3_5 / qwen3_5_moe); a preset is the published
 # config.json's ``text_config`` (what ``Qwen3_5ForCausalLM`` builds). Every 4th layer is full attention

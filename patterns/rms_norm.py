@@ -24,7 +24,7 @@ FX after::
     npu_rms_norm = npu.npu_rms_norm.default(x, weight, eps)
     out = operator.getitem(npu_rms_norm, 0)
 
-Constraints (torch_npu 2.13.0 ``npu_rms_norm`` docs, ``shared/reference/npu-op-contracts.md``): the
+Constraints (torch_npu 2.13.0 ``npu_rms_norm`` docs, ``docs/npu-op-contracts.md``): the
 (x, gamma) dtypes must be one of :data:`SUPPORTED_DTYPES`; gamma must have the trailing shape of x.
 The kernel returns x's dtype, while HF promotes ``fp32 weight * bf16`` to fp32: the replacement casts
 the result to the promoted dtype (the kernel computes in fp32 and rounds once, about 1 ulp from HF,

@@ -88,7 +88,7 @@ backward converter's D % 64 == 0 (met by Qwen3.5's 64; a 16-wide tiny model take
 backward form, or is refused when cos/sin need grad). ``torch_npu.npu_rotary_mul``'s ``rotate`` matrix could
 rotate a part of the head in one call, but has no backward (torch_npu 2.13.0 docs), so it is not used.
 
-Constraints (torch_npu 2.13.0 ``npu_rotary_mul`` docs, ``shared/reference/npu-op-contracts.md``,
+Constraints (torch_npu 2.13.0 ``npu_rotary_mul`` docs, ``docs/npu-op-contracts.md``,
 :mod:`qwen_npu_compile.ops.torch_npu.rotary_mul`): mode ``'half'`` computes exactly HF's
 ``x*cos + rotate_half(x)*sin``; x 4-D, fp16/bf16/fp32, r1/r2 in x's dtype (the stand-in and the Meta
 kernel assume it: HF's fp32-cos-with-bf16-q promotes, the kernel would not); the layout is inferred

@@ -195,7 +195,8 @@ def _signature_problem(function) -> str | None:
 def _refuse_sdpa_with_ulysses(engine, module) -> None:
     """verl patches only the flash-attention entry point for Ulysses (``monkey_patch.apply_monkey_patch``
     replaces ``flash_attention._flash_attention_forward``); with ``sdpa`` (or ``eager``) and sp > 1 each rank
-    would attend only within its T/sp slice, silently wrong (shared/reference/verl-default-path.md §1.2)."""
+    would attend only within its T/sp slice, silently wrong (read from verl 0.9.1's code: nothing in
+    ``verl/workers/config`` or ``monkey_patch.py`` ties ``attn_implementation`` to Ulysses)."""
     size = getattr(getattr(engine, "engine_config", None), "ulysses_sequence_parallel_size", 1) or 1
     config = getattr(module, "config", None)
     implementation = getattr(config, "_attn_implementation", None)

@@ -1,6 +1,7 @@
 """Run the stack-compatibility suite on the torch × transformers stacks Ascend users run; keep the support table honest.
 
-The stacks come from the projects' own files (``shared/reference/user-stacks.md``): verl 0.9 pins
+The stacks come from the projects' own files (verl's ``setup.py`` and ``docker/ascend/Dockerfile.ascend_*``,
+vllm-ascend's ``requirements.txt`` per tag, the torch_npu releases on PyPI): verl 0.9 pins
 transformers ``>=5.5.3,<5.11`` with torch 2.10/2.11, verl's Ascend Docker images and vllm-ascend up to
 v0.18 run transformers 4.57.x with torch 2.7.1-2.9.0; torch_npu 2.14.0 (torch 2.14) is the newest Ascend
 release. One stack runs ahead of Ascend: the newest torch and transformers, which no torch_npu pairs with yet,
@@ -88,7 +89,7 @@ PROTOBUF_PIN = next(line.strip() for line in (ROOT / "requirements.txt").read_te
 
 @dataclasses.dataclass(frozen=True)
 class Stack:
-    """One torch × transformers combination and who runs it (source: shared/reference/user-stacks.md)."""
+    """One torch × transformers combination and who runs it (sources: the module docstring)."""
 
     name: str
     torch: str

@@ -37,7 +37,7 @@ Padding and packed sequences keep the explicit mask: the kernel's ``actual_seq_q
 (varlen) work only in the TND layout, which torchair's GE converter refuses (BSH and BNSD only), and in
 BSH/BNSD key padding has no other form than an S×S mask.
 
-Constraints (``shared/reference/npu-op-contracts.md``; torch_npu 2.13.0 ``npu_fusion_attention`` docs,
+Constraints (``docs/npu-op-contracts.md``; torch_npu 2.13.0 ``npu_fusion_attention`` docs,
 Meta kernel and torchair GE converter). Every limit of the op lives in
 :func:`~qwen_npu_compile.ops.torch_npu.fusion_attention.fusion_attention_violation`; what the masks need lives
 in :mod:`.masks`. This module adds what the *rewrite* needs:

@@ -6,8 +6,10 @@ call_method vs call_function, autocast and grad-mode nodes), so patterns are mat
 ``make_fx(..., pre_dispatch=True)`` run under Dynamo's own fake mode gives ``aten.linear``,
 ``aten.pow.Tensor_Scalar``, ``aten.rsqrt``, ``aten.scaled_dot_product_attention`` ... *before*
 autograd, so that the fused ops we put there are differentiated through their own backward ops.
-``shared/reference/qwen2-graph-notes.md`` records why this level and how it was shown to work,
-including under ``dynamic=True`` (symbolic sizes kept, no new guards).
+Why this level: after AOTAutograd, forward-only patterns no longer match in training (the intermediates
+are saved for backward) and SDPA is already a device-specific op. Measured on a tiny Qwen2 (torch 2.13.0,
+transformers 4.57.6 and 5.24.0), the retrace also works under ``dynamic=True`` (symbolic sizes kept, no
+new guards); see ``docs/how-it-works.md``.
 
 The graph is then normalised so that one subgraph has one spelling: no-op ``aten.to`` casts (an fp32
 tensor cast to fp32) are removed. The same normalisation runs on every traced pattern

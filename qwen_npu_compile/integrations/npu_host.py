@@ -4,7 +4,7 @@ On an Ascend host, ``attn_implementation="flash_attention_2"`` (verl's default) 
 ``flash_attn`` package: transformers' ``_lazy_imports`` sees ``is_torch_npu_available()`` and installs
 ``integrations/npu_flash_attention.py``'s ``npu_flash_attn_func`` (BSND, a single sequence) and
 ``npu_flash_attn_varlen_func`` (TND, packed sequences), which call ``torch_npu.npu_fusion_attention``
-(transformers 4.57.6, 5.10.4 and 5.24.0; ``shared/reference/verl-default-path.md`` §2.1).
+(transformers 4.57.6, 5.10.4 and 5.24.0: ``integrations/npu_flash_attention.py``, the same file in all three).
 
 :func:`simulated_npu_host` makes transformers take exactly that path here: every
 ``is_torch_npu_available`` name bound in a loaded ``transformers`` module (and in 5.x's

@@ -1,7 +1,7 @@
 """The fused Ascend ops this project emits: the real torch_npu ops, or simulated stand-ins.
 
 Every rewrite emits ``torch.ops.npu.<op>.default`` (never ``torch_npu.<op>``: ``import torch_npu.onnx``
-rebinds those names; see ``shared/reference/npu-op-contracts.md``). On an Ascend host those ops come
+rebinds those names; see ``docs/npu-op-contracts.md``). On an Ascend host those ops come
 from torch_npu. Everywhere else :func:`ensure_npu_ops` registers stand-ins in the same ``npu``
 namespace with the exact torch_npu 2.13.0 schemas, a CPU reference kernel that follows the documented
 semantics, a fake (meta) kernel and autograd that calls the backward op, so that graphs, counts and

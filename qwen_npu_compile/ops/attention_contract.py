@@ -99,7 +99,7 @@ def fusion_attention_violation(
     check.
 
     Kernel limits (torch_npu 2.13.0 ``_op_plugin_docs.py``, the op-plugin page
-    ``torch_npu-npu_fusion_attention.md``; ``npu-op-contracts.md``): one q/k/v dtype in fp16/bf16/fp32;
+    ``torch_npu-npu_fusion_attention.md``; ``docs/npu-op-contracts.md``): one q/k/v dtype in fp16/bf16/fp32;
     one batch; k and v of one head count and length; Dq == Dk, 1 <= Dv <= Dk <= :data:`MAX_HEAD_DIM`;
     ``head_num`` == Nq <= :data:`MAX_QUERY_HEADS`, Nq % Nkv == 0 (native GQA); ``atten_mask`` BNSS / B1SS /
     11SS / SS (or the compressed 2048x2048 mask for sparse modes 2/3); keep_prob in (0, 1].
@@ -288,7 +288,7 @@ def probability_grads(q, k, v, do, p, scale, group: int, keep=None):
 # limits of TND and the varlen op
 
 #: At most this many tokens T (query and key) per call: 1M (aclnnFlashAttentionVarLenScore.md, CANN
-#: ops-transformer ``attention/flash_attention_score/docs``; ``verl-default-path.md`` §4 "Varlen constraints").
+#: ops-transformer ``attention/flash_attention_score/docs``; ``docs/npu-op-contracts.md``, "The varlen (TND) form").
 MAX_TOKENS = 2**20
 #: At most this many sequences (``len(actual_seq_qlen)``, 1..2K) per call (same sources).
 MAX_SEGMENTS = 2048
@@ -297,7 +297,7 @@ SPARSE_MODES = (0, 2, 3)
 #: Where the limits come from (named in refusals).
 VARLEN_SOURCE = (
     "the varlen kernel (aclnnFlashAttentionVarLenScore.md; torch_npu 2.13.0 npu_fusion_attention TND; "
-    "shared/reference/verl-default-path.md §4)"
+    "CANN ops-transformer attention/flash_attention_score)"
 )
 
 
@@ -440,7 +440,7 @@ def varlen_violation(
     patterns that emit the op and the GE conversion check.
 
     Limits (:data:`VARLEN_SOURCE`: ``aclnnFlashAttentionVarLenScore.md``; torch_npu 2.13.0
-    ``npu_fusion_attention`` docs; ``shared/reference/npu-op-contracts.md``):
+    ``npu_fusion_attention`` docs; ``docs/npu-op-contracts.md``):
 
     - q/k/v 3-D TND of one dtype in fp16/bf16/fp32; k and v of one T and head count, q's T == k's T
       (self-attention: one ``seq_ends`` for both);

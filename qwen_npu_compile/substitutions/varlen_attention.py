@@ -2,11 +2,12 @@
 
 verl packs every micro-batch into one row (``use_remove_padding``, its default): ``input_ids (1, T)``,
 ``position_ids (1, T)`` restarting at 0 for each sequence, ``attention_mask=None``, ``use_cache=False``
-(``shared/reference/verl-default-path.md`` §1.1). With :func:`~qwen_npu_compile.maybe_compile` each
+(verl 0.9.1 ``verl/workers/engine/fsdp/transformer_impl.py`` ``prepare_model_inputs``).
+With :func:`~qwen_npu_compile.maybe_compile` each
 decoder layer is its own graph and never sees how the row was packed, only a mask (``sdpa``: the
 ``[1, 1, T, T]`` block-diagonal mask transformers builds eagerly) or nothing (``flash_attention_2``:
 transformers re-derives the offsets in every layer with ``nonzero``, ``.item()`` and ``.tolist()``: 13
-graphs per layer, a recompile per number of sequences, §3).
+graphs per layer, a recompile per number of sequences: ``docs/verl.md``).
 
 What :func:`install` puts in place instead (the design MindSpeed and vllm-ascend use: host offsets
 computed once per step, read by every layer):

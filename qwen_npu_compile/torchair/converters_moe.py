@@ -54,7 +54,7 @@ def _torch_npu_importable():
         return
     placeholder = types.ModuleType("torch_npu", "qwen_npu's empty stand-in for torchair's converter import (off-NPU)")
     # torchair's is_arch35() asks torch_npu.npu.get_device_name(): answer an Atlas A2 (the training target of
-    # this project, ../shared/reference/ascend-a2-figures.md), so the converter takes its A2 (non-arch35) path
+    # this project, docs/ascend-a2-figures.md), so the converter takes its A2 (non-arch35) path
     placeholder.npu = types.SimpleNamespace(get_device_name=lambda *args: OFFLINE_DEVICE_NAME)
     sys.modules["torch_npu"] = placeholder
     try:

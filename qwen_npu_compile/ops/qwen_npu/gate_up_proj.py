@@ -2,7 +2,7 @@
 
 ``Qwen2MLP`` computes ``silu(x @ w_gate.T) * (x @ w_up.T)``. ``npu_swiglu(t, dim)`` splits ``t`` along
 *any* ``dim`` into A (first half) and B (second half) and needs ``t`` contiguous (torch_npu 2.13.0
-``npu_swiglu`` docs, ``shared/reference/npu-op-contracts.md``). Splitting along a new leading dim::
+``npu_swiglu`` docs, ``docs/npu-op-contracts.md``). Splitting along a new leading dim::
 
     buf = gate_up_proj(x, w_gate, w_up)       # [2, *x.shape[:-1], I]: buf[0] = x @ w_gate.T, buf[1] = x @ w_up.T
     y = npu_swiglu(buf, 0).squeeze(0)         # [*x.shape[:-1], I]; squeeze is a view

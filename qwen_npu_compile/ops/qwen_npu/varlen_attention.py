@@ -1,7 +1,8 @@
 """``qwen_npu::varlen_attention``: causal attention over packed sequences (TND), offsets as a tensor.
 
 verl's ``use_remove_padding`` packs a micro-batch into one row of ``T`` tokens whose ``position_ids``
-restart for each sequence (``shared/reference/verl-default-path.md`` §1, §2). Varlen attention computes
+restart for each sequence (verl 0.9.1 ``verl/workers/engine/fsdp/transformer_impl.py``
+``prepare_model_inputs``; transformers' ``prepare_fa_kwargs_from_position_ids``). Varlen attention computes
 each sequence's ``Si x Si`` scores (``sum Si^2`` work) and never a ``T x T`` tensor. Ascend's kernel for it
 is ``npu_fusion_attention(..., input_layout="TND", actual_seq_qlen=..., actual_seq_kvlen=...)``, whose
 offsets are Python int lists; this op takes them as an int64 tensor instead, so a new packing is a new
@@ -309,8 +310,8 @@ def _sequence_count(position_ids, tokens):
 def host_seq_ends(position_ids: torch.Tensor, rule: str = "restart") -> torch.Tensor:
     """:func:`seq_ends_from_positions` eagerly (outside any graph): one device-to-host copy of the row.
 
-    For a forward pre-hook that computes the offsets once per micro-batch (as MindSpeed and vllm-ascend do;
-    ``verl-default-path.md`` §6) and passes them to every layer's attention.
+    For a forward pre-hook that computes the offsets once per micro-batch (as MindSpeed's
+    ``compute_actual_seq_len`` and vllm-ascend's ``attention_v1.py`` do) and passes them to every layer's attention.
 
     Args:
         position_ids: ``[1, T]`` or ``[T]`` integer, any device.

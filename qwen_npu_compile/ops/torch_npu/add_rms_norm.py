@@ -1,6 +1,6 @@
 """Stand-in for ``npu_add_rms_norm`` (torch_npu 2.13.0): residual add + RMSNorm, inference only.
 
-Semantics (``shared/reference/npu-op-contracts.md``; torch_npu 2.13.0 Meta kernel
+Semantics (``docs/npu-op-contracts.md``; torch_npu 2.13.0 Meta kernel
 ``op_plugin/meta/_meta_registrations.py`` ``npu_add_rms_norm_meta``; torchair converter
 ``ge_converter/custom/npu_add_rms_norm.py`` -> GE ``AddRmsNorm``)::
 
@@ -36,7 +36,7 @@ def add_rms_norm_violation(x1, x2, gamma, *, needs_grad: bool = False, downstrea
     """Why ``npu_add_rms_norm(x1, x2, gamma)`` would fail or be wrong, or None: the one home of this op's
     limits, used by the stand-in, ``patterns/rms_norm.py`` and the GE conversion check.
 
-    Limits (torch_npu 2.13.0 contract, ``shared/reference/npu-op-contracts.md``): x1, x2 of one shape
+    Limits (torch_npu 2.13.0 contract, ``docs/npu-op-contracts.md``): x1, x2 of one shape
     and dtype (no broadcasting), fp16/bf16/fp32; gamma of x1's dtype and trailing shape; no empty
     tensors; no autograd (inference only). torchair's converter (``ge_converter/custom/npu_add_rms_norm.py``
     -> AddRmsNorm, torch_npu 2.13.0) passes its arguments through unchecked: ``downstream`` adds nothing.

@@ -1,7 +1,7 @@
 """Stand-in for ``npu_fusion_attention`` / ``npu_fusion_attention_grad`` (torch_npu 2.13.0).
 
 Semantics (torch_npu 2.13.0 ``_op_plugin_docs.py`` and Meta kernels; the op-plugin doc page
-``torch_npu-npu_fusion_attention.md``; ``shared/reference/npu-op-contracts.md``)::
+``torch_npu-npu_fusion_attention.md``; summarised in ``docs/npu-op-contracts.md``)::
 
     out = Dropout(Softmax(Mask(scale * (pse + Q @ K^T), atten_mask)), keep_prob) @ V
 

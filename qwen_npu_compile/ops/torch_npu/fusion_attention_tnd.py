@@ -1,8 +1,8 @@
 """The TND (varlen) path of the simulated ``npu_fusion_attention`` / ``npu_fusion_attention_grad``.
 
 :mod:`.fusion_attention` hands every ``input_layout="TND"`` call here. Semantics (torch_npu 2.13.0
-``npu_fusion_attention`` docs and Meta kernel; ``aclnnFlashAttentionVarLenScore.md``;
-``shared/reference/verl-default-path.md`` §4)::
+``npu_fusion_attention`` docs and Meta kernel; CANN ops-transformer
+``attention/flash_attention_score/docs/aclnnFlashAttentionVarLenScore.md``; ``docs/npu-op-contracts.md``)::
 
     query [Tq, Nq, D], key [Tkv, Nkv, D], value [Tkv, Nkv, Dv]
     actual_seq_qlen / actual_seq_kvlen: int lists (or tuples) of cumulative END offsets, one per sequence

@@ -1,6 +1,6 @@
 """Stand-in for ``npu_rms_norm`` / ``npu_rms_norm_backward`` (torch_npu 2.13.0).
 
-Semantics (torch_npu 2.13.0 ``_op_plugin_docs.py``; ``shared/reference/npu-op-contracts.md``):
+Semantics (torch_npu 2.13.0 ``_op_plugin_docs.py``; ``docs/npu-op-contracts.md``):
 ``rstd = 1/sqrt(mean(x^2 over the trailing gamma.dim() dims) + eps)``, ``y = x * rstd * gamma``,
 computed in fp32 and rounded once to x's dtype. ``rstd`` is fp32 with shape
 ``x.shape[:-gamma.dim()] + (1,) * gamma.dim()``. Backward: ``dx`` in x's dtype, ``dgamma`` always fp32.

@@ -1,6 +1,6 @@
 """Stand-in for ``npu_rotary_mul`` / ``npu_rotary_mul_backward`` (torch_npu 2.13.0).
 
-Semantics (torch_npu 2.13.0 ``_op_plugin_docs.py``; ``shared/reference/npu-op-contracts.md``), mode
+Semantics (torch_npu 2.13.0 ``_op_plugin_docs.py``; ``docs/npu-op-contracts.md``), mode
 ``'half'``: ``x1, x2 = chunk(x, 2, -1)``; ``out = x * r1 + cat(-x2, x1) * r2``, which is exactly HF
 ``q * cos + rotate_half(q) * sin``. Computed in fp32 and rounded once to x's dtype (HF rounds after each
 multiply, so expect about 1-ulp differences in bf16/fp16). x is 3-D or 4-D, fp16/bf16/fp32; r1 and r2
@@ -93,7 +93,7 @@ def rotary_mul_violation(
     """Why ``npu_rotary_mul(x, r1, r2, 'half')`` (and its backward) would fail, or None: the one home of
     this op's limits, used by the stand-in's validation, ``patterns/rotary.py`` and the GE conversion check.
 
-    Kernel limits (torch_npu 2.13.0 ``_op_plugin_docs.py`` ``npu_rotary_mul``; ``npu-op-contracts.md``):
+    Kernel limits (torch_npu 2.13.0 ``_op_plugin_docs.py`` ``npu_rotary_mul``; ``docs/npu-op-contracts.md``):
     x 3-D or 4-D in fp16/bf16/fp32; r1/r2 in x's dtype, of one shape, x's rank, each dim x's or 1, last
     dim D; D even and < :data:`MAX_HEAD_DIM`. With a known ``layout`` (the stand-in cannot tell: S = 1 or
     N = 1 makes it ambiguous) also: r1/r2 of a shape in :data:`ACCEPTED_R_SHAPES`; B, N <

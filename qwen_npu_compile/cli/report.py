@@ -5,7 +5,7 @@ A run with a dump dir (``dump_dir`` option or ``QWEN_NPU_DUMP_DIR``) leaves one 
 with ``summary.json`` and a folder per graph holding ``report.json`` (formats:
 :mod:`qwen_npu_compile.dump`, :meth:`qwen_npu_compile.report.GraphReport.as_dict`). :func:`read_dumps`
 finds every ``summary.json`` and ``report.json`` under the given folders (recursively) and keeps each
-graph once; :func:`build_report` turns the graphs into the report; :func:`print_report` prints it;
+graph once; :func:`build_report` turns the graphs into the report; :func:`format_report` formats it for the terminal;
 :func:`main` is the command (argparse lives in :mod:`qwen_npu_compile.cli`).
 
 **One graph, two files.** A graph is identified by its dump root and its name (``g<index>_<compile
@@ -384,7 +384,7 @@ def _counts(mapping: object) -> dict[str, int]:
 
 
 def build_report(dumps: Dumps) -> dict:
-    """The report of ``dumps`` as a JSON-ready dict (printed by :func:`print_report`, written by ``--json``).
+    """The report of ``dumps`` as a JSON-ready dict (printed as :func:`format_report` formats it, written by ``--json``).
 
     Keys:
         ``format`` (:data:`FORMAT`), ``exit_status`` (:func:`exit_status`), ``why`` (one line per reason

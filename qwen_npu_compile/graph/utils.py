@@ -172,7 +172,7 @@ def normalize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def trace_pattern(fn: Callable[..., object], args: Sequence[object], **_ignored) -> torch.fx.GraphModule:
-    """Trace a pattern or replacement function exactly as :func:`to_aten_graph` traces models.
+    """Trace a pattern or replacement function exactly as :func:`~qwen_npu_compile.graph.canonicalize.to_aten_graph` traces models.
 
     This is the ``trace_fn`` given to Inductor's ``register_replacement``; it must accept (and here
     ignores) the ``get_decomp_fn`` keyword: pre-dispatch graphs are matched undecomposed.

@@ -22,7 +22,7 @@ The backward of ``in_proj_a`` then views that gradient as ``[B*S, N]``. Minimal 
     torch.ops.aten.softplus_backward(g.to("meta"), x.to("meta"), 1, 20).stride()  # (64, 4, 1)
 
 ``hardsigmoid_backward``, ``hardswish_backward`` and ``elu_backward`` disagree the same way on torch
-2.13.0. Not a list kept here: :func:`audit` probes every candidate node (an ATen op with at least two
+2.13.0. Not a list kept here: :func:`eager_layout_mismatch` probes every candidate node (an ATen op with at least two
 tensor operands of different layouts and an elementwise-shaped output: the only case where the
 stride rules of a decomposition and of TensorIterator can part) with the eager CPU kernel on small
 tensors laid out like the fake ones, and compares the output's dimension order with the fake's.

@@ -9,8 +9,8 @@ attention ops, importing nothing of the package but :mod:`..compat`.
       ^
     fusion_attention             the npu_fusion_attention(_grad) stand-ins (BNSD/BSND/BSH/SBH; TND handed down)
 
-Semantics and sources: :mod:`.fusion_attention` (dense layouts), :mod:`.fusion_attention_tnd` (TND) and
-:mod:`.varlen_attention` (the varlen op). Each limit has one home here: :func:`fusion_attention_violation`
+Semantics and sources: :mod:`.torch_npu.fusion_attention` (dense layouts), :mod:`.torch_npu.fusion_attention_tnd`
+(TND) and :mod:`.qwen_npu.varlen_attention` (the varlen op). Each limit has one home here: :func:`fusion_attention_violation`
 (every layout), :func:`tnd_violation` (TND offsets) and :func:`varlen_violation` (the varlen op); the modules
 above re-export what they re-exported before.
 """
@@ -445,7 +445,7 @@ def varlen_violation(
     - q/k/v 3-D TND of one dtype in fp16/bf16/fp32; k and v of one T and head count, q's T == k's T
       (self-attention: one ``seq_ends`` for both);
     - T <= :data:`MAX_TOKENS` (1M); Nq == ``head_num`` <= 256 (``MAX_QUERY_HEADS``), Nq % Nkv == 0 (GQA);
-      1 <= Dv <= D <= 768 (``MAX_HEAD_DIM``) (reused from :mod:`.fusion_attention`);
+      1 <= Dv <= D <= 768 (``MAX_HEAD_DIM``, as for the dense layouts);
     - ``sparse_mode`` in :data:`SPARSE_MODES`;
     - ``seq_ends`` (when given) 1-D int64 with 1 to :data:`MAX_SEGMENTS` (2K) entries (the count unless
       it is an unbacked size), strictly increasing, last == T (CANN >= 9.0) when its values are known

@@ -1,6 +1,6 @@
 """How an op is defined with torch.library (the one place): the simulated stand-ins in the ``npu``
 library (each op module's ``register`` calls it once per op) and this project's own ``qwen_npu`` ops
-that are defined by schema (:mod:`.gate_up_proj`).
+that are defined by schema (:mod:`.qwen_npu.gate_up_proj`).
 
 An op gets its exact torch_npu schema, a CPU reference kernel (``CompositeExplicitAutograd``: the same
 kernel for every backend key), a fake kernel for fake/meta tensors, and, for ops with a backward op,

@@ -22,11 +22,11 @@ through :func:`warn_eager_differs_for_positions`).
    ``modeling_qwen3_5_moe`` and ``modeling_qwen3_next`` (5.10.4 and 4.57.6 bind it to
    ``self.chunk_gated_delta_rule``; 5.24 calls it module-level, where it is the hub wrapper that dispatches to
    FLA when FLA imported) is registered with ``torch.compiler.substitute_in_graph``: Dynamo traces
-   :func:`_traced_chunk_gated_delta_rule` instead, one ``qwen_npu.chunk_gated_delta_rule`` call with GQA
+   ``_traced_chunk_gated_delta_rule`` (built by :func:`_substitute_for`) instead, one ``qwen_npu.chunk_gated_delta_rule`` call with GQA
    expanded in ATen and the packed row's offsets (``cu_seqlens`` / ``cu_seq_lens_q``, or the host sequence ends
-   that :mod:`.varlen`'s pre-hook proves from ``position_ids`` and passes down as ``qwen_npu_seq_ends``) as a
+   that :mod:`.varlen_attention`'s pre-hook proves from ``position_ids`` and passes down as ``qwen_npu_seq_ends``) as a
    tensor. transformers 5.24's module-level ``causal_conv1d_fn`` (the hub wrapper, which drops the offsets) is
-   substituted alike (:func:`_traced_causal_conv1d_fn`): the conv restarts per sequence. FLA's
+   substituted alike (``_traced_causal_conv1d_fn``, built by :func:`_conv_substitute_for`): the conv restarts per sequence. FLA's
    ``chunk_gated_delta_rule`` (``@torch.compiler.disable``), where transformers 5.10.4 / 4.57.6 import it
    module-level and bind it on the module, is substituted too (:func:`_fla_substitute_for`), so an FLA-bound
    DeltaNet keeps the op in the graph; its offsets are FLA's own ``cu_seqlens``.

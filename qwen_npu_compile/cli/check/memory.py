@@ -18,7 +18,7 @@ _GIB = 1024**3
 
 
 def estimate_num_parameters(config: Any, *, layers: int | None = None) -> int:
-    """Number of parameters of a causal LM of :data:`FAMILIES`, from its config alone (Qwen2 described here).
+    """Number of parameters of a causal LM of :data:`~qwen_npu_compile.cli.check.model_types.FAMILIES`, from its config alone (Qwen2 described here).
 
     Per decoder layer: q/k/v projections with bias (``h·h + h`` and ``2·(h·kv + kv)``, ``kv =
     num_key_value_heads · head_dim``), o projection without bias (``h·h``), the SwiGLU MLP

@@ -12,8 +12,8 @@ kernel              used for                                               contr
                                                                            and :func:`fla_violation`
 ``torch_npu``       no-grad forwards only (torch_npu's op is               :func:`npu_forward_violation` (the whole
                     inference-only), where FLA is not the kernel           documented contract)
-``reference``       everything else (the op's ATen reference, fp32,        none (the op's own :func:`violation`)
-                    backward by autograd)
+``reference``       everything else (the op's ATen reference, fp32,        none (the op's own
+                    backward by autograd)                                  :func:`~.gated_delta_rule.violation`)
 ==================  =====================================================  ===========================================
 
 Training uses one kernel family for forward and backward: the op's training forward (``training=True``, set by its

@@ -14,9 +14,9 @@ input value, not a new graph, and no ``.tolist()`` sits in a traced graph::
     seq_ends = seq_ends_from_positions(position_ids, "restart")   # int64 CPU [B], B data-dependent
 
 The kernels call ``torch.ops.npu.npu_fusion_attention(_grad)`` in TND after :func:`~.ensure_npu_ops`: the
-real torch_npu kernels on an Ascend host, the CPU stand-in (:mod:`.fusion_attention_tnd`, sequence by
+real torch_npu kernels on an Ascend host, the CPU stand-in (:mod:`.torch_npu.fusion_attention_tnd`, sequence by
 sequence) elsewhere. ``sparse_mode`` 3 (right-down causal, what transformers' NPU FA2 path passes) and 2
-(left-up) take the compressed 2048x2048 causal mask (:func:`~.fusion_attention.compressed_causal_mask`)
+(left-up) take the compressed 2048x2048 causal mask (:func:`~.attention_contract.compressed_causal_mask`)
 and agree here since every sequence has Sq == Skv; 0 is attention without any mask (non-causal).
 Autograd: ``torch.library.register_autograd`` calls ``varlen_attention_backward``, so AOTAutograd's
 backward graph holds that op (and no recomputation in ATen). The fake kernels take symbolic ``T`` and a
@@ -24,7 +24,8 @@ backward graph holds that op (and no recomputation in ATen). The fake kernels ta
 
 Limits: :func:`varlen_violation`, the one home of the varlen kernel's limits (the stand-in's TND path
 uses it too), which lives with the other attention limits in :mod:`.attention_contract` (the bottom of the
-attention ops: this module and :mod:`.fusion_attention_tnd` import it, not each other) and is importable here. Contract: ``/work/notes/varlen-contract.md``.
+attention ops: this module and :mod:`.torch_npu.fusion_attention_tnd` import it, not each other) and is importable here.
+Contract: ``docs/npu-op-contracts.md`` ("The varlen (TND) form").
 """
 
 from __future__ import annotations

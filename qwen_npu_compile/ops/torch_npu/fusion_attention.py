@@ -20,7 +20,7 @@ hands TND calls to :mod:`.fusion_attention_tnd`, which imports the contract only
 - Layouts: BNSD, BSND, BSH and SBH (``H = N * D``; head_num splits it), and TND (varlen: ``[T, N, D]``
   with ``actual_seq_qlen``/``actual_seq_kvlen`` cumulative ends, computed sequence by sequence, never
   ``T x T``; no dropout, softmax_max/sum ``[T, Nq, 8]``): :mod:`.fusion_attention_tnd`, whose limits are
-  :func:`~.varlen_attention.tnd_violation`. The rest of this docstring is about the other four layouts.
+  :func:`~.attention_contract.tnd_violation`. The rest of this docstring is about the other four layouts.
   q, k, v share one dtype (fp16/bf16/fp32); Dq == Dk ≤ :data:`MAX_HEAD_DIM`, Dv ≤ Dk; Nq ≤
   :data:`MAX_QUERY_HEADS`.
 - ``atten_mask`` is bool/uint8 with **True (non-zero) = masked out**, the opposite of PyTorch SDPA.

@@ -34,7 +34,7 @@ FX after (the pattern emits ``offs.to(torch.int64)``; :func:`rewrite_routing` th
 
 ``npu_swiglu`` reads the grouped matmul's contiguous ``[S, 2I]`` output directly: the ``cat([gate, up])``
 copy (``[S, 2I]``, also saved for backward) that the swiglu family's ``silu(gate) * up`` variants would
-add is gone. Backward: :mod:`qwen_npu_compile.ops.torch_npu.grouped_matmul` (dx and dW as
+add is gone. Backward: :mod:`qwen_npu_compile.ops.qwen_npu.grouped_matmul` (dx and dW as
 ``npu_grouped_matmul``, group_type 0 and 2). Counted: one fusion per grouped matmul, 2 per MoE layer.
 
 Limits: :func:`~qwen_npu_compile.ops.torch_npu.grouped_matmul.grouped_matmul_violation` (int64 group_list,
@@ -64,7 +64,8 @@ from qwen_npu_compile.fusion.family import (
     meta_val,
     node_source,
 )
-from qwen_npu_compile.ops.torch_npu import grouped_matmul as gmm
+from qwen_npu_compile.ops.qwen_npu import grouped_matmul as gmm
+from qwen_npu_compile.ops.torch_npu.grouped_matmul import GROUP_LIST_DTYPE, grouped_matmul_violation
 from qwen_npu_compile.ops.torch_npu.swiglu import swiglu_violation
 
 aten = torch.ops.aten
@@ -108,11 +109,11 @@ def _search_fallback_swiglu(x, weight, offs):
 
 
 def _replace(x, weight, offs):
-    return gmm.OP(x, weight, offs.to(gmm.GROUP_LIST_DTYPE))
+    return gmm.OP(x, weight, offs.to(GROUP_LIST_DTYPE))
 
 
 def _replace_swiglu(x, weight, offs):
-    return torch.ops.npu.npu_swiglu.default(gmm.OP(x, weight, offs.to(gmm.GROUP_LIST_DTYPE)), -1)
+    return torch.ops.npu.npu_swiglu.default(gmm.OP(x, weight, offs.to(GROUP_LIST_DTYPE)), -1)
 
 
 def check_grouped_mm(x, weight, offs, *, swiglu: bool, training: bool) -> str | None:
@@ -127,7 +128,7 @@ def check_grouped_mm(x, weight, offs, *, swiglu: bool, training: bool) -> str | 
     """
     if not isinstance(offs, torch.Tensor) or offs.dtype not in (torch.int32, torch.int64):
         return f"offs must be an int32/int64 tensor, got {getattr(offs, 'dtype', offs)}"
-    reason = gmm.grouped_matmul_violation(x, weight, offs.new_empty(offs.shape, dtype=gmm.GROUP_LIST_DTYPE),
+    reason = grouped_matmul_violation(x, weight, offs.new_empty(offs.shape, dtype=GROUP_LIST_DTYPE),
                                           backward=training)
     if reason is not None or not swiglu:
         return reason

@@ -25,7 +25,7 @@ FX after::
     out = operator.getitem(npu_rms_norm, 0)
 
 Constraints (torch_npu 2.13.0 ``npu_rms_norm`` docs, ``docs/npu-op-contracts.md``): the
-(x, gamma) dtypes must be one of :data:`SUPPORTED_DTYPES`; gamma must have the trailing shape of x.
+(x, gamma) dtypes must be one of :data:`~qwen_npu_compile.ops.torch_npu.rms_norm.SUPPORTED_DTYPES`; gamma must have the trailing shape of x.
 The kernel returns x's dtype, while HF promotes ``fp32 weight * bf16`` to fp32: the replacement casts
 the result to the promoted dtype (the kernel computes in fp32 and rounds once, about 1 ulp from HF,
 which rounds before the weight multiply). The anchor is ``aten.rsqrt``.
@@ -94,7 +94,6 @@ that requires grad keeps ``npu_rms_norm`` even in ``model.eval()``.
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import operator
 
@@ -103,6 +102,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from qwen_npu_compile.fusion.family import (
+    CheckDecision,
     FamilyPass,
     FusionFamily,
     graph_needs_autograd,
@@ -135,14 +135,19 @@ def _search(x, weight, eps):
     return weight * hidden.to(input_dtype)
 
 
-#: The epsilon the check read from a constant one-element tensor (npu_rms_norm's ``float epsilon``), for
-#: the replacement Inductor traces right after the check accepts; None = pass the matched eps.
-_EPS_CONSTANT: contextvars.ContextVar[float | None] = contextvars.ContextVar("qwen_npu_rms_norm_eps", default=None)
+#: The epsilon the check read that the match does not bind itself (a constant one-element tensor's value, or
+#: torch <= 2.9's literal; npu_rms_norm takes a Python ``float epsilon``); None: pass the matched eps.
+EPSILON: CheckDecision[float | None] = CheckDecision("rms_norm_epsilon", default=None)
+
+
+def epsilon(matched_eps):
+    """For a replacement: the epsilon its check decided (:data:`EPSILON`), else the matched ``eps``."""
+    constant = EPSILON.get()
+    return matched_eps if constant is None else constant
 
 
 def _replace(x, weight, eps):
-    constant = _EPS_CONSTANT.get()
-    out = torch.ops.npu.npu_rms_norm.default(x, weight, eps if constant is None else constant)[0]
+    out = torch.ops.npu.npu_rms_norm.default(x, weight, epsilon(eps))[0]
     promoted = torch.promote_types(x.dtype, weight.dtype)
     # HF returns weight * x.to(input_dtype): fp32 when a bf16/fp16 input meets an fp32 weight.
     return out if promoted == out.dtype else out.to(promoted)
@@ -156,9 +161,8 @@ def _search_one_plus(x, weight, eps):
 
 
 def _replace_one_plus(x, weight, eps):
-    constant = _EPS_CONSTANT.get()
     # gamma = 1 + w in w's dtype (fp32 after HF's .float()); the kernel rounds once to x's dtype, as type_as
-    return torch.ops.npu.npu_rms_norm.default(x, 1.0 + weight, eps if constant is None else constant)[0]
+    return torch.ops.npu.npu_rms_norm.default(x, 1.0 + weight, epsilon(eps))[0]
 
 
 def check_rms_norm(x, weight) -> str | None:
@@ -183,7 +187,7 @@ def check_rms_norm(x, weight) -> str | None:
     return None
 
 
-def _matched_eps(match):
+def matched_eps(match):
     """The match's ``eps``: its keyword, else the second operand of the ``add`` under the matched ``rsqrt``.
 
     torch ≤ 2.9 hands the check the match of the pattern re-traced with the graph's values, where a literal
@@ -225,14 +229,19 @@ def _gated_norm_reason(match) -> str | None:
     return None
 
 
-def _check_norm(match) -> str | None:
-    # eps must be npu_rms_norm's Python float epsilon (a tensor variance_epsilon is read only when constant)
-    eps, reason = scalar_argument("npu_rms_norm", "epsilon", _matched_eps(match))
+def decide_epsilon(match) -> str | None:
+    """Decide :data:`EPSILON` for ``match`` (a norm with an ``eps`` argument); a refusal reason when its eps cannot
+    be npu_rms_norm's Python float epsilon (a tensor variance_epsilon is read only when constant), else None."""
+    eps, reason = scalar_argument("npu_rms_norm", "epsilon", matched_eps(match))
     if reason is not None:
         return reason
     # a number the match does not bind itself (a constant tensor's value, or ≤ 2.9's literal) goes in verbatim
-    _EPS_CONSTANT.set(eps if isinstance(eps, (int, float)) and eps is not match.kwargs.get("eps") else None)
-    return check_rms_norm(meta_val(match.kwargs["x"]), meta_val(match.kwargs["weight"]))
+    EPSILON.decide(eps if isinstance(eps, (int, float)) and eps is not match.kwargs.get("eps") else None)
+    return None
+
+
+def _check_norm(match) -> str | None:
+    return decide_epsilon(match) or check_rms_norm(meta_val(match.kwargs["x"]), meta_val(match.kwargs["weight"]))
 
 
 def _residual_add(node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
@@ -365,12 +374,12 @@ class RmsNormFamily(FusionFamily):
             lambda dtype: [torch.empty(2, 4, 16, dtype=dtype), torch.empty(16), 1e-6],
             why={"half": why + "type_as a bf16/fp16 x", "fp32": why + "fp32 activations (no-op casts removed)"},
             search_fn=_search_one_plus, replace_fn=_replace_one_plus, check=_check_one_plus,
-            scalar_workaround={"eps": 1e-6},
+            scalar_workaround={"eps": 1e-6}, decides=(EPSILON,),
         )
         # eps is a literal in static graphs and a graph input under dynamic=True: never bake it in.
         yield from per_dtype_family(
             "rms_norm",
             lambda dtype: [torch.empty(2, 4, 16, dtype=dtype), torch.empty(16, dtype=dtype), 1e-6],
             why={"half": "fp16/bf16 activations", "fp32": "fp32 activations (no-op casts removed)"},
-            search_fn=_search, replace_fn=_replace, check=_check, scalar_workaround={"eps": 1e-6},
+            search_fn=_search, replace_fn=_replace, check=_check, scalar_workaround={"eps": 1e-6}, decides=(EPSILON,),
         )

@@ -65,10 +65,9 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from qwen_npu_compile.fusion.family import EMITTED_BY, FamilyPass, FusionFamily, meta_val, per_dtype_family
 from qwen_npu_compile.ops.torch_npu.rms_norm import rms_norm_violation
-from qwen_npu_compile.ops.scalars import scalar_argument
 from qwen_npu_compile.ops.torch_npu.swiglu import swiglu_violation
 
-from .rms_norm import _EPS_CONSTANT, _matched_eps
+from .rms_norm import EPSILON, decide_epsilon, epsilon
 
 aten = torch.ops.aten
 F = torch.nn.functional
@@ -92,8 +91,7 @@ def _search(h, gate, weight, eps):
 
 
 def _replace(h, gate, weight, eps):
-    constant = _EPS_CONSTANT.get()
-    y = torch.ops.npu.npu_rms_norm.default(h, weight, eps if constant is None else constant)[0]
+    y = torch.ops.npu.npu_rms_norm.default(h, weight, epsilon(eps))[0]
     return torch.ops.npu.npu_swiglu.default(torch.stack([gate, y]), SPLIT_DIM).squeeze(SPLIT_DIM)
 
 
@@ -129,11 +127,7 @@ def check_rms_norm_gated(h, gate, weight) -> str | None:
 
 
 def _check(match) -> str | None:
-    eps, reason = scalar_argument("npu_rms_norm", "epsilon", _matched_eps(match))
-    if reason is not None:
-        return reason
-    _EPS_CONSTANT.set(eps if isinstance(eps, (int, float)) and eps is not match.kwargs.get("eps") else None)
-    return check_rms_norm_gated(*(meta_val(match.kwargs[name]) for name in ("h", "gate", "weight")))
+    return decide_epsilon(match) or check_rms_norm_gated(*(meta_val(match.kwargs[name]) for name in ("h", "gate", "weight")))
 
 
 def _gates_a_product(silu: torch.fx.Node) -> bool:
@@ -197,5 +191,5 @@ class RmsNormGatedFamily(FusionFamily):
             lambda dtype: [torch.empty(8, 16, dtype=dtype), torch.empty(8, 16, dtype=dtype),
                            torch.empty(16, dtype=dtype), 1e-6],
             why={"half": why + "bf16/fp16 h and gate", "fp32": why + "fp32 (no-op casts removed)"},
-            search_fn=_search, replace_fn=_replace, check=_check, scalar_workaround={"eps": 1e-6},
+            search_fn=_search, replace_fn=_replace, check=_check, scalar_workaround={"eps": 1e-6}, decides=(EPSILON,),
         )

@@ -117,7 +117,6 @@ Other downstreams and inference graphs always get ``npu_rotary_mul``.
 
 from __future__ import annotations
 
-import contextvars
 
 import torch
 import torch.fx
@@ -125,6 +124,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from qwen_npu_compile.compat import guard_or_false
 from qwen_npu_compile.fusion.family import (
+    CheckDecision,
     FamilyPass,
     FusionFamily,
     PatternVariant,
@@ -144,8 +144,8 @@ aten = torch.ops.aten
 #: :mod:`~qwen_npu_compile.ops.qwen_npu.rotary_mul_aten_backward`). Set by a variant's check when it accepts a
 #: match, read by its replacement, which Inductor traces right after the check accepts
 #: (``register_replacement``'s ``check_fn``).
-_EMIT: contextvars.ContextVar[str] = contextvars.ContextVar("qwen_npu_rotary_emit", default="npu_rotary_mul")
-#: What each :data:`_EMIT` value calls, ``(x, r1, r2) -> out``.
+EMIT: CheckDecision[str] = CheckDecision("rotary_emit", default="npu_rotary_mul")
+#: What each :data:`EMIT` value calls, ``(x, r1, r2) -> out``.
 _EMITTERS = {
     "npu_rotary_mul": lambda x, r1, r2: torch.ops.npu.npu_rotary_mul.default(x, r1, r2, "half"),
     "orthogonal": lambda x, r1, r2: rotary_mul_orthogonal.OP(x, r1, r2),
@@ -161,7 +161,7 @@ _ELEMENTWISE = (
 #: Set by a variant's check when x, cos and sin have different dtypes (fp32 cos/sin with bf16 q/k under
 #: ``torch.autocast``: the linear is autocast to bf16, the rotary embedding is not): the dtype HF's mixed
 #: product promotes to, which the replacement casts all three to (exactly HF's math: ``q * cos`` upcasts q).
-_CAST_DTYPE: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar("qwen_npu_rotary_cast", default=None)
+CAST_DTYPE: CheckDecision[torch.dtype | None] = CheckDecision("rotary_cast_dtype", default=None)
 _SCALED = (aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar)
 _MAX_WALK = 32
 
@@ -186,13 +186,13 @@ def _bsnd_r(r_b1sd):
 
 
 def _rotary(x, r1, r2):
-    """The fused call: ``npu_rotary_mul``, or the torchair training form the check chose (:data:`_EMIT`)."""
-    return _EMITTERS[_EMIT.get()](x, r1, r2)
+    """The fused call: ``npu_rotary_mul``, or the torchair training form the check chose (:data:`EMIT`)."""
+    return _EMITTERS[EMIT.get()](x, r1, r2)
 
 
 def _promoted(*tensors):
-    """The tensors in the dtype the check chose (:data:`_CAST_DTYPE`), else unchanged."""
-    dtype = _CAST_DTYPE.get()
+    """The tensors in the dtype the check chose (:data:`CAST_DTYPE`), else unchanged."""
+    dtype = CAST_DTYPE.get()
     return tensors if dtype is None else tuple(t.to(dtype) for t in tensors)
 
 
@@ -331,7 +331,7 @@ def _check_fused(x, r1, r2, layout: str, x_node, cos_node, sin_node) -> str | No
     without grad: :mod:`~qwen_npu_compile.ops.qwen_npu.rotary_mul_orthogonal`), else ``npu_rotary_mul`` when its
     backward converter's limits hold, else (cos/sin without grad) the ATen backward
     (:mod:`~qwen_npu_compile.ops.qwen_npu.rotary_mul_aten_backward`); cos/sin that need grad and break the
-    converter's limits are refused with its reason. Sets :data:`_EMIT` for the replacement when it accepts."""
+    converter's limits are refused with its reason. Sets :data:`EMIT` for the replacement when it accepts."""
     r_grad = _requires_grad(cos_node) or _requires_grad(sin_node)
     reason = check_rotary(x, r1, r2, layout, r_grad)
     if reason is not None:
@@ -353,19 +353,19 @@ def _check_fused(x, r1, r2, layout: str, x_node, cos_node, sin_node) -> str | No
                         "backward applies: cos/sin need grad")
             if reason is not None:
                 emit = "aten_backward"
-    _EMIT.set(emit)
+    EMIT.decide(emit)
     return None
 
 
 def _promote_mixed(x, cos, sin):
     """``(x, cos, sin)`` cast to their promoted dtype when they differ (HF's mixed product computes in it),
-    with :data:`_CAST_DTYPE` set for the replacement; unchanged (and the flag cleared) when they agree."""
+    with :data:`CAST_DTYPE` set for the replacement; unchanged (and the flag cleared) when they agree."""
     dtypes = {x.dtype, cos.dtype, sin.dtype}
     if len(dtypes) == 1 or not all(d.is_floating_point for d in dtypes):
-        _CAST_DTYPE.set(None)
+        CAST_DTYPE.decide(None)
         return x, cos, sin
     dtype = torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
-    _CAST_DTYPE.set(dtype)
+    CAST_DTYPE.decide(dtype)
     return x.to(dtype), cos.to(dtype), sin.to(dtype)
 
 
@@ -486,12 +486,13 @@ class RotaryFamily(FusionFamily):
         # (A contiguous-BNSD variant existed; no transformers model computes rotary on one, so it went:
         # tests/patterns/test_every_variant.py requires every variant to match a realistic graph.)
         yield PatternVariant(
-            "rotary_bsnd", _search_bsnd, _replace_bsnd, _examples_bsnd, _check_bsnd,
+            "rotary_bsnd", _search_bsnd, _replace_bsnd, _examples_bsnd, _check_bsnd, decides=(EMIT, CAST_DTYPE),
             why="HF's q/k = view(B,S,N,D).transpose(1,2): run on the contiguous BSND tensor, where HF's "
                 "BNSD fails at decode (B*N > 8*S, error 561002)",
         )
         yield PatternVariant(
             "rotary_partial_bsnd", _search_partial, _replace_partial, _examples_partial, _check_partial,
+            decides=(EMIT, CAST_DTYPE),
             why="Qwen3.5 / Qwen3.5-MoE / Qwen3-Next (partial_rotary_factor 0.25): rotary on q/k[..., :cos.shape[-1]] "
                 "of HF's BNSD view of BSND memory, the rest passed through (slice, rotate, cat); verl npu_patch's form",
         )

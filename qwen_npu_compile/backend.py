@@ -27,9 +27,11 @@ import torch.fx
 from qwen_npu_compile.graph import canonicalize, emit
 from qwen_npu_compile import compat, dump
 from .config import ENV_FUSIONS, QwenNpuConfig, QwenNpuConfigError
-from qwen_npu_compile.fusion.manager import FusionPasses, count_fused_in_captured, fuse
+from qwen_npu_compile.fusion.manager import FusionPasses, FusionPassError, count_fused_in_captured, fuse
 from qwen_npu_compile.fusion.family import CompileTarget
-from .handoff import check_offline_mode, hand_off
+from qwen_npu_compile.handoff import hand_off
+from qwen_npu_compile.handoff.torchair import check_offline_mode
+from qwen_npu_compile import substitutions
 from qwen_npu_compile.substitutions import deltanet
 from qwen_npu_compile.ops import NpuOpsStatus, ensure_npu_ops
 from .report import SUMMARY, FusionError, GraphReport, new_graph_name
@@ -62,9 +64,10 @@ def _fusions_at_lookup() -> frozenset[str]:
         return QwenNpuConfig().fusions
 
 
-# The backend is imported when torch.compile looks "qwen_npu" up, before Dynamo traces: the Gated DeltaNet
-# substitutions of the modeling modules imported by then are in place for the first frame.
-deltanet.install(enabled=_fusions_at_lookup() >= {"gated_delta_rule"})
+# torch.compile imports this module when it looks "qwen_npu" up, before Dynamo traces the first frame: the one
+# moment a backend can act before tracing. The substitutions go in here, for the modeling modules imported by
+# then (and for those imported later: deltanet.install watches their import).
+substitutions.install(_fusions_at_lookup())
 
 
 def refusal_reasons(refused, families, limit: int = 3) -> str:
@@ -116,7 +119,7 @@ def qwen_npu_backend(
         # the user's setting, not a compiler failure: one line where the compiled model was called, without
         # Dynamo's BackendCompilerFailed wrapping, its frames and its bug-report footer
         raise compat.through_dynamo(exc, inspect.currentframe()) from None
-    deltanet.install(enabled="gated_delta_rule" in config.fusions)  # for the frames Dynamo traces next
+    substitutions.install(config.fusions)  # this graph's options, for the frames Dynamo traces next
     deltanet.warn_if_substituted_while_disabled(gm, config.fusions)
     report, rewritten = rewrite(gm, example_inputs, config, status, downstream)
     refuse_in_strict_mode(report, config)
@@ -207,10 +210,10 @@ def rewrite(gm, example_inputs, config: QwenNpuConfig, status: NpuOpsStatus, dow
         result = fuse(aten_gm, config, target=CompileTarget(downstream, status.simulated))
     except torch._dynamo.exc.RestartAnalysis:
         raise
-    except Exception as exc:  # noqa: BLE001
-        family = _traceback_local(exc, "family", str)
-        where = f"the {family} pass raised" if family else "a fusion pass raised"
-        return compile_unfused(report, gm, "fuse", f"{where}: {type(exc).__name__}: {exc}")
+    except FusionPassError as exc:
+        return compile_unfused(report, gm, "fuse", str(exc))
+    except Exception as exc:  # noqa: BLE001 - outside a family's pass (walking the graphs, the disabled families)
+        return compile_unfused(report, gm, "fuse", f"a fusion pass raised: {type(exc).__name__}: {exc}")
     try:
         emit.record(report, result)
         emit.finalize(aten_gm)
@@ -272,17 +275,6 @@ def lift_constants(gm: torch.fx.GraphModule, rewritten: torch.fx.GraphModule, re
                 exc = again
         log.debug("qwen_npu %s: constants not lifted (%s: %s)", report.name, type(exc).__name__, exc)
         return gm, []
-
-
-def _traceback_local(exc: BaseException, name: str, kind: type):
-    """The innermost frame local ``name`` of type ``kind`` along ``exc``'s traceback, or None."""
-    found, tb = None, exc.__traceback__
-    while tb is not None:
-        value = tb.tb_frame.f_locals.get(name)
-        if isinstance(value, kind):
-            found = value
-        tb = tb.tb_next
-    return found
 
 
 def refuse_in_strict_mode(report: GraphReport, config: QwenNpuConfig) -> None:

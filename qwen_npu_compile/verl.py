@@ -72,7 +72,7 @@ from torch import nn
 
 from qwen_npu_compile.integrations import torch_compiler
 from qwen_npu_compile.integrations import verl_npu_patch
-from qwen_npu_compile.integrations.layers import clean_name, find_decoder_layers
+from qwen_npu_compile.layers import clean_name, find_decoder_layers
 from qwen_npu_compile.worker import _FSDP1_FIX, ENV_COMPILE, compile_requested, maybe_compile
 
 log = logging.getLogger("qwen_npu_compile")

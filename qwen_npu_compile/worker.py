@@ -58,11 +58,11 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from qwen_npu_compile import compat
+from qwen_npu_compile import compat, substitutions
 from qwen_npu_compile.integrations import torch_compiler
 from qwen_npu_compile.config import QwenNpuConfig, parse_bool
 from qwen_npu_compile.report import SUMMARY, GraphReport
-from qwen_npu_compile.integrations.layers import clean_name, find_decoder_layers  # noqa: F401 (public here too)
+from qwen_npu_compile.layers import clean_name, find_decoder_layers  # noqa: F401 (public here too)
 from qwen_npu_compile.substitutions.varlen_attention import packed_layer_call
 
 log = logging.getLogger("qwen_npu_compile")
@@ -652,14 +652,10 @@ def maybe_compile(
         compiler.records.append(record)
     result = CompiledLayers(records)
     result.compiler = compiler if compiler.records else earlier
-    from qwen_npu_compile.substitutions import deltanet  # the Gated DeltaNet as one op (Qwen3.5 / Qwen3-Next), or its Python with the family off
-
-    for line in deltanet.install(enabled="gated_delta_rule" in config.fusions):
+    installed = substitutions.install(config.fusions, model)
+    for line in installed.deltanet:
         log.info("qwen_npu: Gated DeltaNet: %s", line)
-    if "attention" in config.fusions:
-        from qwen_npu_compile.substitutions import varlen_attention as varlen  # packed micro-batches: offsets once per micro-batch, varlen attention
-
-        result.varlen = varlen.install(model)
+    result.varlen = installed.varlen
     classes = sorted({record.class_name for record in records})
     log.info(
         "qwen_npu: %s=1: set %d decoder layer(s) of %s to compile in place (%s; graphs at their first call)%s",

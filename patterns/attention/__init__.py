@@ -9,26 +9,13 @@ in this list)::
     varlen      the packed-sequence variants and their replacement (varlen_attention) (spellings, dense, packed)
     family      AttentionFamily and its pass                                          (all of the above)
 
-This package exports what the one module ``patterns/attention.py`` exported; the old module paths
-``qwen_npu_compile.patterns.attention.masks`` and ``qwen_npu_compile.patterns.attention.varlen`` are the
-:mod:`.masks` and :mod:`.varlen` modules themselves (aliases, not copies), and their loggers keep those names.
+The package exports the family's public names below; everything else is imported from its module.
 """
 
 from __future__ import annotations
 
-from .dense import (  # noqa: F401 (re-exported)
-    _AUTOCAST_DTYPE,
-    _CAUSAL_MASK,
-    _autocast_cast,
-    _check_fn,
-    _dense_bsnd,
-    _replace_fn,
-    _scale_for,
-    _variant,
-    check_attention,
-    fused_attention,
-)
-from .family import (  # noqa: F401 (re-exported)
+from .dense import check_attention, fused_attention
+from .family import (
     TAKEOVER_VARIANT,
     AttentionFamily,
     AttentionPass,
@@ -36,7 +23,7 @@ from .family import (  # noqa: F401 (re-exported)
     is_linear_logits_softmax,
     spell_key_transposes,
 )
-from .spellings import SPELLINGS, _DROPOUT_P, _SCALE, Spelling, _examples, _search_fn, row_variant  # noqa: F401
+from .spellings import SPELLINGS, Spelling, row_variant
 
 __all__ = [
     "SPELLINGS", "TAKEOVER_VARIANT", "AttentionFamily", "AttentionPass", "Spelling", "check_attention",

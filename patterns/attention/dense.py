@@ -77,7 +77,6 @@ has no op for it). The linear-attention (Gated DeltaNet) layers hold no softmax 
 
 from __future__ import annotations
 
-import contextvars
 import math
 
 import torch
@@ -85,7 +84,14 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from qwen_npu_compile.compat import guard_or_false
-from qwen_npu_compile.fusion.family import CompileTarget, PatternVariant, current_target, meta_val, with_parameters
+from qwen_npu_compile.fusion.family import (
+    CheckDecision,
+    CompileTarget,
+    PatternVariant,
+    current_target,
+    meta_val,
+    with_parameters,
+)
 from qwen_npu_compile.ops.attention_contract import compressed_causal_mask, fusion_attention_violation
 from qwen_npu_compile.ops.scalars import scalar_argument
 
@@ -153,12 +159,12 @@ def _replace_fn(row: Spelling):
         query, key, value = _autocast_cast(query, key, value)
         scale = _scale_for(scale)
         if row.impl == _SDPA:
-            if _CAUSAL_MASK.get():  # the explicit mask is provably causal: not read
+            if CAUSAL_MASK.get():  # the explicit mask is provably causal: not read
                 return fused_attention(query, key, value, causal=True, scale=scale, dropout_p=dropout_p)
             causal = row.mask == "causal"
             return fused_attention(query, key, value, attn_mask, causal=causal, scale=scale, dropout_p=dropout_p)
         dropout_p = dropout_p if row.dropout else 0.0
-        if _CAUSAL_MASK.get():  # provably causal with Sq == Skv: no row is fully masked
+        if CAUSAL_MASK.get():  # provably causal with Sq == Skv: no row is fully masked
             return fused_attention(query, key, value, causal=True, scale=scale, dropout_p=dropout_p)
         out = fused_attention(query, key, value, attn_mask, scale=scale, dropout_p=dropout_p)
         # HF's eager softmax averages V on fully masked rows (left padding); the kernel gives 0 there
@@ -294,34 +300,31 @@ def _repeat_kv_reason(match, heads: int) -> str | None:
     return None
 
 
-#: Set by a variant's check when it accepts a match whose scale is a constant one-element tensor: the
+#: Decided by a variant's check when it accepts a match whose scale is a constant one-element tensor: the
 #: Python float read from it (``npu_fusion_attention``'s ``float scale``); None = pass the bound scale.
-#: Read by the replacement, which Inductor traces right after the check accepts.
-_SCALE_CONSTANT: contextvars.ContextVar[float | None] = contextvars.ContextVar("qwen_npu_attention_scale", default=None)
+SCALE: CheckDecision[float | None] = CheckDecision("attention_scale", default=None)
 
 
 def _scale_reason(match) -> str | None:
     """Refusal reason when the matched scale cannot be ``npu_fusion_attention``'s ``float scale``
     (:func:`~qwen_npu_compile.ops.scalars.scalar_argument`: a per-head tensor, a 0-d graph input);
-    else None, with :data:`_SCALE_CONSTANT` set for the replacement."""
+    else None, with :data:`SCALE` set for the replacement."""
     value, reason = scalar_argument("npu_fusion_attention", "scale", match.kwargs.get("scale"), allow_none=True)
     if reason is not None:
         return reason
-    _SCALE_CONSTANT.set(value if value is not match.kwargs.get("scale") else None)
+    SCALE.decide(value if value is not match.kwargs.get("scale") else None)
     return None
 
 
 def _scale_for(bound):
     """The scale the replacement passes: the constant the check read, else the matched value."""
-    constant = _SCALE_CONSTANT.get()
+    constant = SCALE.get()
     return bound if constant is None else constant
 
 
-#: Set by a variant's check when q/k/v have different dtypes that autocast reconciled (fp32 q/k from the
+#: Decided by a variant's check when q/k/v have different dtypes that autocast reconciled (fp32 q/k from the
 #: rotary, bf16 v from an autocast linear): autocast's dtype, which the replacement casts q, k, v to.
-_AUTOCAST_DTYPE: contextvars.ContextVar[torch.dtype | None] = contextvars.ContextVar(
-    "qwen_npu_attention_autocast", default=None
-)
+AUTOCAST_DTYPE: CheckDecision[torch.dtype | None] = CheckDecision("attention_autocast_dtype", default=None)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -350,10 +353,12 @@ def _autocast_dtype(match, q, k, v) -> tuple[torch.dtype | None, str | None]:
     return dtype, None
 
 
-#: Set by a variant's check: True when the matched explicit mask is provably the plain causal mask
+#: Decided by a variant's check: True when the matched explicit mask is provably the plain causal mask
 #: (:func:`.masks.causal_mask_reason`); the replacement then uses ``sparse_mode=2`` with the
 #: compressed mask and leaves the ``[B, 1, S, S]`` mask unread (it becomes dead code).
-_CAUSAL_MASK: contextvars.ContextVar[bool] = contextvars.ContextVar("qwen_npu_attention_causal", default=False)
+CAUSAL_MASK: CheckDecision[bool] = CheckDecision("attention_causal_mask", default=False)
+#: Every decision an attention variant's check makes and its replacement reads.
+DECISIONS = (SCALE, AUTOCAST_DTYPE, CAUSAL_MASK)
 
 
 def _plain_causal(query, key, mask_node: torch.fx.Node) -> bool:
@@ -366,8 +371,8 @@ def _plain_causal(query, key, mask_node: torch.fx.Node) -> bool:
 
 
 def _autocast_cast(*tensors):
-    """q, k, v in the dtype autocast gives them (:data:`_AUTOCAST_DTYPE`), else unchanged."""
-    dtype = _AUTOCAST_DTYPE.get()
+    """q, k, v in the dtype autocast gives them (:data:`AUTOCAST_DTYPE`), else unchanged."""
+    dtype = AUTOCAST_DTYPE.get()
     return tensors if dtype is None else tuple(t.to(dtype) for t in tensors)
 
 
@@ -383,7 +388,7 @@ def _check_fn(row: Spelling):
             cast_dtype, cast_reason = _autocast_dtype(match, q, k, v)
             if cast_reason is not None:
                 return cast_reason
-            _AUTOCAST_DTYPE.set(cast_dtype)
+            AUTOCAST_DTYPE.decide(cast_dtype)
             if cast_dtype is not None:
                 q, k, v = (t.to(cast_dtype) for t in (q, k, v))
         mask_node = match.kwargs.get("attn_mask")
@@ -402,7 +407,7 @@ def _check_fn(row: Spelling):
         if reason is None and isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
             reason = check_additive_mask(mask_node)
         # last (it may evaluate the mask): an explicit mask that is provably the plain causal one
-        _CAUSAL_MASK.set(reason is None and isinstance(mask_node, torch.fx.Node) and _plain_causal(q, k, mask_node))
+        CAUSAL_MASK.decide(reason is None and isinstance(mask_node, torch.fx.Node) and _plain_causal(q, k, mask_node))
         return reason
 
     return check
@@ -411,4 +416,4 @@ def _check_fn(row: Spelling):
 def _variant(row: Spelling) -> PatternVariant:
     """The :class:`~qwen_npu_compile.fusion.family.PatternVariant` of one table row (its exact pattern traced here)."""
     return row_variant(row, name=row.name, parameters=row.parameters, search_fn=_search_fn(row),
-                       replace_fn=_replace_fn(row), check=_check_fn(row), why=row.why)
+                       replace_fn=_replace_fn(row), check=_check_fn(row), why=row.why, decides=DECISIONS)

@@ -42,7 +42,7 @@ from qwen_npu_compile.ops.scalars import constant_tensor_value
 
 aten = torch.ops.aten
 #: The logger keeps the name of the module this one was (``patterns/attention/masks.py``).
-log = logging.getLogger("qwen_npu_compile.patterns.attention.masks")
+log = logging.getLogger(__name__)
 
 #: Ops that keep the set of values of an additive mask (views, copies, casts) between it and its where.
 _VALUE_PRESERVING = (

@@ -60,8 +60,7 @@ from qwen_npu_compile.graph.utils import ancestors
 from .masks import _FULL_FACTORIES, _WHERE_OPS, _constant, _masks_exactly, _mutated_from_outside
 
 aten = torch.ops.aten
-#: The logger keeps the name of the module the proof lived in (``patterns/attention/varlen.py``).
-log = logging.getLogger("qwen_npu_compile.patterns.attention.varlen")
+log = logging.getLogger(__name__)
 
 #: ``seq_ends_from_positions``' rule for transformers' packed mask: a sequence starts where diff != 1.
 RULE = "restart"

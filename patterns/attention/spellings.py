@@ -290,7 +290,7 @@ def _examples(row: Spelling):
 
 
 def row_variant(row: Spelling, *, name: str, parameters: tuple[str, ...], search_fn: Callable, replace_fn: Callable,
-                check: Callable, why: str) -> PatternVariant:
+                check: Callable, why: str, decides: tuple = ()) -> PatternVariant:
     """The :class:`~qwen_npu_compile.fusion.family.PatternVariant` of one table row with the given replacement and
     check (its exact pattern traced at registration; the example inputs of :func:`_examples`).
 
@@ -302,6 +302,7 @@ def row_variant(row: Spelling, *, name: str, parameters: tuple[str, ...], search
         replace_fn: its replacement.
         check: the match check (a refusal reason or None).
         why: the setting that produces the spelling.
+        decides: the check's decisions the replacement reads (:attr:`PatternVariant.decides`).
 
     Returns:
         The variant: scale (and dropout) as ``scalar_workaround``, never baked into the pattern.
@@ -321,4 +322,5 @@ def row_variant(row: Spelling, *, name: str, parameters: tuple[str, ...], search
         # built at registration: a variant no graph needs is never traced (FamilyPass registers lazily)
         search_fn_pattern=lambda: exact_pattern(search_fn, examples(), scalar_workaround),
         anchor_ops=row.anchor_ops,
+        decides=decides,
     )

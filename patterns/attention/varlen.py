@@ -185,7 +185,7 @@ def _check_fn(row: Spelling):
         reason = row_check(types.SimpleNamespace(kwargs={**kwargs, "attn_mask": mask_node}, nodes=match.nodes))
         if reason is not None:
             return reason
-        if dense._CAUSAL_MASK.get():
+        if dense.CAUSAL_MASK.get():
             return "the mask is the plain causal mask: the row fuses it with sparse_mode=2, no offsets needed"
         if not isinstance(mask_node, torch.fx.Node):
             return "no mask node"
@@ -193,7 +193,7 @@ def _check_fn(row: Spelling):
         if not isinstance(proof, PackedMask):
             return f"explicit mask kept: {proof}"
         q, k, v = (meta_val(kwargs[name]) for name in ("query", "key", "value"))
-        cast = dense._AUTOCAST_DTYPE.get()
+        cast = dense.AUTOCAST_DTYPE.get()
         if cast is not None:
             q, k, v = (t.to(cast) for t in (q, k, v))
         if not all(_equal(t.shape[0], 1) and _equal(t.shape[2], proof.tokens) for t in (q, k, v)):
@@ -230,7 +230,7 @@ def _variant(row: Spelling) -> PatternVariant:
     search_fn.__name__ = search_fn.__qualname__ = f"varlen_{row.name}_search"
     return row_variant(
         row, name=variant_name(row), parameters=names, search_fn=search_fn, replace_fn=_replace_fn(row),
-        check=_check_fn(row),
+        check=_check_fn(row), decides=dense.DECISIONS,
         why=f"{row.why}, packed sequences (position_ids restarting, no attention_mask): varlen attention",
     )
 

@@ -27,7 +27,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.fx
@@ -42,8 +42,48 @@ log = logging.getLogger(__name__)
 #: ``node.meta`` key naming the family whose pass emitted a fused op (set where it matters: :meth:`FamilyPass.count_fused`).
 EMITTED_BY = "qwen_npu_emitted_by"
 
+T = TypeVar("T")
+
 #: A variant's check: returns None to accept a match, or the reason to refuse it.
 CheckFn = Callable[[pm.Match], "str | None"]
+
+
+class CheckDecision(Generic[T]):
+    """A value a variant's check decides for one match and its replacement reads: how a check's decision (a
+    constant read off the graph, the form to emit, a dtype to cast to) reaches the replacement.
+
+    The replacement receives only the matched tensors and scalars. Inductor's pattern matcher calls a match's
+    ``extra_check`` (the variant's check) and, when it accepts, traces the replacement for that same match right
+    away, in the same thread (``torch/_inductor/pattern_matcher.py``: ``PatternMatcherPass.apply`` →
+    ``ReplacementPatternEntry.apply`` → ``replace_by_example``). So the check :meth:`decide`\ s and the
+    replacement :meth:`get`\ s. A variant lists the decisions its replacement reads in
+    :attr:`PatternVariant.decides`; :class:`FamilyPass` resets them to their defaults before each match is
+    checked, so that no decision outlives its match. Values live in a ``contextvars.ContextVar`` (per thread).
+
+    Args:
+        name: what is decided (for ``repr`` and the ContextVar's name).
+        default: the value before any check decided (the replacement's plain behaviour).
+    """
+
+    def __init__(self, name: str, default: T) -> None:
+        self.name = name
+        self.default = default
+        self._value: contextvars.ContextVar[T] = contextvars.ContextVar(f"qwen_npu_{name}", default=default)
+
+    def decide(self, value: T) -> None:
+        """Called by a check: the value the replacement of the match being checked reads."""
+        self._value.set(value)
+
+    def get(self) -> T:
+        """Called by a replacement: the decision of its match's check, else :attr:`default`."""
+        return self._value.get()
+
+    def reset(self) -> None:
+        """Back to :attr:`default` (before each check, by :class:`FamilyPass`)."""
+        self._value.set(self.default)
+
+    def __repr__(self) -> str:
+        return f"CheckDecision({self.name!r}, default={self.default!r})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +106,8 @@ class PatternVariant:
             no graph needs is never traced).
         anchor_ops: ATen ops of which one must occur in a graph before this variant is registered
             (traced) for it; empty means the family's :attr:`FusionFamily.anchor_ops`.
+        decides: the :class:`CheckDecision`\ s ``check`` sets and ``replace_fn`` reads; reset before each
+            check.
     """
 
     name: str
@@ -77,6 +119,7 @@ class PatternVariant:
     why: str = ""
     search_fn_pattern: pm.PatternExpr | Callable[[], pm.PatternExpr] | None = None
     anchor_ops: tuple = ()
+    decides: tuple[CheckDecision, ...] = ()
 
 
 #: The dtype families a normalisation traces to: half precision casts to fp32 and back; in fp32 the casts are
@@ -472,6 +515,8 @@ class FamilyPass:
             # Inductor's register_replacement calls this last, on a match that is complete; when it
             # returns True the replacement is applied right away (PatternMatcherPass.apply), so
             # counting here counts applied replacements, not merely checked ones.
+            for decision in variant.decides:
+                decision.reset()
             reason = variant.check(match) if variant.check is not None else None
             if reason is None:
                 self.matched_count[variant.name] += 1
@@ -514,7 +559,7 @@ class FamilyPass:
         return [node for op in self.family.anchor_ops for node in graph.find_nodes(op="call_function", target=op)]
 
     def count_anchors(self, graph: torch.fx.Graph) -> int:
-        """Anchor ops that could be this family's subgraph: those in another role (:mod:`.foreign_anchors`) left out."""
+        """Anchor ops that could be this family's subgraph: those in another role (:mod:`.near_miss`) left out."""
         return sum(1 for anchor in self.anchor_nodes(graph) if foreign_anchors.foreign(anchor) is None)
 
     def count_fused(self, graph: torch.fx.Graph) -> int:

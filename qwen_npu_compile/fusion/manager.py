@@ -22,6 +22,7 @@ import dataclasses
 import time
 from collections import Counter
 
+import torch._dynamo.exc
 import torch.fx
 
 from qwen_npu_compile.graph import canonicalize
@@ -58,6 +59,19 @@ class FuseResult:
     already_fused: dict[str, int] = dataclasses.field(default_factory=dict)
     refusals: list[Refusal] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
+
+
+class FusionPassError(RuntimeError):
+    """A family's pass raised (a bug of ours, never the user's): the backend compiles the captured graph unfused and
+    names the family (``report.fallback``: ``"the <family> pass raised: <type>: <message>"``).
+
+    Attributes:
+        family: the family whose pass raised; the original exception is ``__cause__``.
+    """
+
+    def __init__(self, family: str, cause: BaseException):
+        super().__init__(f"the {family} pass raised: {type(cause).__name__}: {cause}")
+        self.family = family
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,10 +116,15 @@ class FusionPasses:
         operands = canonicalize.checkpoint_operands(gm)  # what the regions' callers bind to their bodies' inputs
         with targeting(target), counting_matches(matched), binding_region_operands(operands):
             for family in self.enabled:
-                family_pass = get_family_pass(family)
-                result.already_fused[family] = sum(family_pass.count_fused(g.graph) for g in graphs)
-                result.anchors[family] = sum(family_pass.count_anchors(g.graph) for g in graphs)
-                result.fusions[family] = sum(family_pass.apply(g, recorder) for g in graphs)
+                try:
+                    family_pass = get_family_pass(family)
+                    result.already_fused[family] = sum(family_pass.count_fused(g.graph) for g in graphs)
+                    result.anchors[family] = sum(family_pass.count_anchors(g.graph) for g in graphs)
+                    result.fusions[family] = sum(family_pass.apply(g, recorder) for g in graphs)
+                except torch._dynamo.exc.RestartAnalysis:
+                    raise  # Dynamo recaptures and calls the backend again: not a failure
+                except Exception as exc:
+                    raise FusionPassError(family, exc) from exc
         for family in self.disabled:
             # a disabled family is not matched; say so wherever its anchor op shows it could have been
             for anchor in (a for g in graphs for a in get_family_pass(family).anchor_nodes(g.graph)):

@@ -13,13 +13,16 @@ trailing inputs for the downstream backend (:func:`lift_constants`, :func:`bind_
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx
 
 from qwen_npu_compile.graph import canonicalize
-from qwen_npu_compile.fusion.manager import FuseResult
-from qwen_npu_compile.report import GraphReport
+
+if TYPE_CHECKING:  # types only: the graph stage sits below fusion and the reports (tests/test_layers.py)
+    from qwen_npu_compile.fusion.manager import FuseResult
+    from qwen_npu_compile.report import GraphReport
 
 
 def finalize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

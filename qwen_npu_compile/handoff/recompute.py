@@ -22,7 +22,7 @@ op. Recomputing a deterministic op gives the same bits, so values and gradients 
 (``tests/e2e/test_recompute.py``). ``"none"`` (the default) leaves the joint graph untagged: today's partition.
 
 torchair has no partitioner option: the hand-off wraps its module-level ``_get_partition_fn`` (the only hook it
-has; :func:`qwen_npu_compile.handoff.recompute_in_torchair`) so that, for this compile's ``CompilerConfig``, the
+has; :func:`qwen_npu_compile.handoff.torchair.recompute_in_torchair`) so that, for this compile's ``CompilerConfig``, the
 partition it returns is :func:`partition_fn`'s; GE then converts and runs the recomputed nodes in the backward graph
 like any other.
 """

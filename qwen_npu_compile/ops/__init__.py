@@ -1,4 +1,8 @@
-"""The fused Ascend ops this project emits: the real torch_npu ops, or simulated stand-ins.
+"""The fused Ascend ops this project emits, in two kinds: torch_npu's ops (:mod:`.torch_npu`: the real ones on an
+Ascend host, simulated stand-ins elsewhere) and this project's own ``qwen_npu::`` ops built on them
+(:mod:`.qwen_npu`, each with its GE converter). Shared: :mod:`.define` (``torch.library`` registration),
+:mod:`.limits` (each op's limits by name, for the graph audits), :mod:`.scalars`, :mod:`.attention_contract`,
+:mod:`.ge` (torchair's converter API, imported lazily).
 
 Every rewrite emits ``torch.ops.npu.<op>.default`` (never ``torch_npu.<op>``: ``import torch_npu.onnx``
 rebinds those names; see ``docs/npu-op-contracts.md``). On an Ascend host those ops come

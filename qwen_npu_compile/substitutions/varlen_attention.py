@@ -269,7 +269,7 @@ def _packed_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
 
 def _base_model(model: nn.Module) -> nn.Module | None:
     """The module whose forward builds the masks and runs the decoder layers (``model.model``)."""
-    from qwen_npu_compile.integrations.layers import find_decoder_layers
+    from qwen_npu_compile.layers import find_decoder_layers
 
     layers = find_decoder_layers(model)
     layer_ids = {id(layer) for _, layer in layers}

@@ -1,4 +1,4 @@
-"""torchair GE converters this project supplies or corrects (registered before any torchair hand-off).
+"""torchair GE converters: torchair's own corrected, and this project's ops' registered (before any torchair hand-off).
 
 :func:`register_converters` is called by the torchair hand-off (real torchair on an Ascend host, or
 the off-NPU conversion check) right after ``import torchair`` and before torchair converts a graph. It
@@ -7,7 +7,15 @@ is idempotent. Every converter is built with torchair's own registration API
 of torchair is copied here. A converter whose torchair API is missing in the installed release is
 skipped with a warning (the graph then fails to convert exactly as it would without us).
 
-What is registered, and why (torch_npu 2.13.0 and 2.9.0 wheels, ``torch_npu/dynamo/torchair``):
+What is registered, and why (torch_npu 2.13.0 and 2.9.0 wheels, ``torch_npu/dynamo/torchair``). The converters
+of this project's ``qwen_npu::`` ops live beside each op (its module's ``GE_CONVERTERS``); this module corrects
+torchair's own and registers them all:
+
+- ``npu.npu_grouped_matmul``: torchair's converter, called with an empty ``torch_npu`` module in ``sys.modules``
+  when torch_npu is not installed (its first line is ``import torch_npu``, used only for quantized dtypes,
+  :func:`qwen_npu_compile.ops.ge.torch_npu_importable`), so the off-NPU conversion check runs torchair's own code;
+  on an NPU a pass-through. ``qwen_npu.grouped_matmul`` delegates to it
+  (:mod:`qwen_npu_compile.ops.qwen_npu.grouped_matmul`).
 
 - ``npu.npu_fusion_attention_grad``: torchair's converter (``ge_converter/custom/npu_fusion_attention.py``)
   returns FlashAttentionScoreGrad's 4 outputs (dq, dk, dv, dpse) while the op's schema
@@ -29,13 +37,13 @@ What is registered, and why (torch_npu 2.13.0 and 2.9.0 wheels, ``torch_npu/dyna
   backward converter's limits fail (dynamic shapes, D % 64); the same RotaryMul forward, and a backward
   of plain ATen ops that torchair converts itself.
 - ``qwen_npu.gate_up_proj`` (:mod:`qwen_npu_compile.ops.qwen_npu.gate_up_proj`): the SwiGLU fusion's buffer
-  of both projections; see :func:`_register_gate_up_proj` (BatchMatMulV2 twice, ConcatD along axis 0).
+  of both projections; see its ``register_ge_converter`` (BatchMatMulV2 twice, ConcatD along axis 0).
   Its backward graph holds only ATen ``mm``/``add``/views, which torchair converts itself.
 - ``qwen_npu.varlen_attention`` / ``varlen_attention_backward`` / ``seq_ends_from_positions``
   (:mod:`qwen_npu_compile.ops.qwen_npu.varlen_attention`, packed sequences): torchair's converter of
   ``npu_fusion_attention(_grad)`` refuses TND, so ours emit ``FlashAttentionScore(Grad)`` with
   ``input_layout="TND"`` and the offsets as INT64 tensor inputs, and the offsets from ``position_ids``
-  with ``NonZero`` / ``ConcatV2``; see :mod:`qwen_npu_compile.torchair.converters_varlen` for what is and is not
+  with ``NonZero`` / ``ConcatV2``; see :mod:`qwen_npu_compile.ops.qwen_npu.varlen_attention_ge` for what is and is not
   verified without an NPU.
 
 Not registered, on purpose: the CPU SDPA ops (``aten._scaled_dot_product_flash_attention_for_cpu`` and
@@ -47,15 +55,20 @@ conversion check is an artifact of the CPU trace, not a blocker on the NPU.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import logging
 import operator
 
 import torch
 
-from qwen_npu_compile.torchair.converters_moe import CONVERTERS as MOE_CONVERTERS
-from qwen_npu_compile.torchair.converters_varlen import CONVERTERS as VARLEN_CONVERTERS
+from qwen_npu_compile.ops import ge
+from qwen_npu_compile.ops.qwen_npu import (
+    gate_up_proj,
+    grouped_matmul,
+    rotary_mul_aten_backward,
+    rotary_mul_orthogonal,
+    varlen_attention_ge,
+)
 
 log = logging.getLogger(__name__)
 
@@ -160,26 +173,10 @@ def register_converters() -> list[str]:
     return sorted(_REGISTERED)
 
 
-def _torchair_api():
-    """torchair's registration decorator and GE op builders (public decorator; ``ge_apis`` as converters use)."""
-    from torchair import register_fx_node_ge_converter
-    from torchair._ge_concrete_graph import ge_apis
-
-    return register_fx_node_ge_converter, ge_apis
-
-
-def _existing_converter(op):
-    """torchair's converter of ``op`` (set by its ``register_fx_node_ge_converter``), or raise."""
-    converter = getattr(op, "_ge_converter", None)
-    if converter is None:
-        raise LookupError(f"torchair has no converter for {op}")
-    return converter
-
-
 def _register_fusion_attention_grad() -> None:
-    register, ge = _torchair_api()
+    register, ge_apis = ge.torchair_api()
     op = torch.ops.npu.npu_fusion_attention_grad.default
-    torchair_converter = _existing_converter(op)
+    torchair_converter = ge.existing_converter(op)
     if getattr(torchair_converter, "_qwen_npu", False):
         return
 
@@ -193,77 +190,44 @@ def _register_fusion_attention_grad() -> None:
         if meta_outputs is None or len(outputs) >= len(meta_outputs):
             return outputs
         dsink = meta_outputs[len(outputs)]
-        return (*outputs, ge.Fill(list(dsink.size), ge.Cast(0.0, dst_type=dsink.dtype)))
+        return (*outputs, ge_apis.Fill(list(dsink.size), ge_apis.Cast(0.0, dst_type=dsink.dtype)))
 
     convert._qwen_npu = True
     register(op)(convert)
-    _existing_converter(op)._qwen_npu = True
+    ge.existing_converter(op)._qwen_npu = True
 
 
 def _register_silu_backward() -> None:
-    register, ge = _torchair_api()
+    register, ge_apis = ge.torchair_api()
 
     def convert(grad_output, self, meta_outputs=None):
         """aten.silu_backward: ``g·σ(x) + x·g·σ(x)·(1−σ(x))`` from GE Sigmoid / SigmoidGrad / Mul / Add."""
-        sigmoid = ge.Sigmoid(self)
-        return ge.Add(ge.Mul(grad_output, sigmoid), ge.Mul(self, ge.SigmoidGrad(sigmoid, grad_output)))
+        sigmoid = ge_apis.Sigmoid(self)
+        return ge_apis.Add(ge_apis.Mul(grad_output, sigmoid), ge_apis.Mul(self, ge_apis.SigmoidGrad(sigmoid, grad_output)))
 
     register(torch.ops.aten.silu_backward.default)(convert)
 
 
-def _register_rotary_form(module: str) -> None:
-    """Register the converter of the rotary form ``qwen_npu_compile.ops.<module>`` (its ``OP``)."""
-    op = importlib.import_module(f"qwen_npu_compile.ops.qwen_npu.{module}").OP
-    register, _ = _torchair_api()
-    npu_rotary_mul = _existing_converter(torch.ops.npu.npu_rotary_mul.default)
+def _register_npu_grouped_matmul() -> None:
+    register, _ = ge.torchair_api()
+    torchair_converter = ge.torchair_grouped_matmul()
 
-    def convert(x, r1, r2, meta_outputs=None):
-        """qwen_npu.rotary_mul_orthogonal / rotary_mul_aten_backward -> torchair's own npu_rotary_mul
-        converter (RotaryMul, mode 'half'); their backwards are RotaryMul again and plain ATen ops."""
-        return npu_rotary_mul(x, r1, r2, "half", None)
+    def convert(*args, **kwargs):
+        """npu.npu_grouped_matmul -> torchair's converter (GE GroupedMatmul), runnable off-NPU too."""
+        with ge.torch_npu_importable():
+            return torchair_converter(*args, **kwargs)
 
-    register(op)(convert)
-
-
-def _register_gate_up_proj() -> None:
-    from qwen_npu_compile.ops.qwen_npu import gate_up_proj
-
-    register, ge = _torchair_api()
-
-    def convert(x, w_gate, w_up, meta_outputs=None):
-        """qwen_npu.gate_up_proj -> ``ConcatD([BatchMatMulV2(x1, w_gate), BatchMatMulV2(x1, w_up)], 0)``.
-
-        ``x1 = Unsqueeze(x, axes=[0])`` (``[1, ..., H]``, as torchair's ``aten.unsqueeze`` converter
-        builds it), so each matmul (``adj_x2``: ``x1 @ w.T``, the 2-D weight broadcast over the batch
-        dims, as torchair's ``aten.matmul`` converter relies on for 3-D @ 2-D) writes a ``[1, ..., I]``
-        half, and the concatenation is along the outermost axis with the matmuls as its direct inputs.
-
-        Whether GE then writes both matmul outputs into the concat's output without a copy is **not
-        verified here** (it needs GE compilation on an NPU). Evidence: GE's "Concat No Task" feature
-        (CANN GE design doc ``docs/en/design/features/concat_no_task.md``, gitcode.com/cann/ge) turns a
-        ConcatD/ConcatV2D into a virtual op whose inputs are laid out in its output when: every dim
-        before ``concat_dim`` is 1 (true here: axis 0), no padding along it, every input 32-byte
-        aligned (``T·I·itemsize``: true for Qwen2 widths), inputs not from DATA/VARIABLE/CONST nodes nor
-        graph outputs, one memory type, and **static shapes only** ("不支持 Unknown Shape"). So with
-        ``dynamic=True`` (or any symbolic dim) the ConcatD is a real copy of ``2·T·I`` elements (what
-        the activation ``cat`` moved before); with static shapes we expect none. GE's own graph passes
-        (e.g. BatchMatMulV2ReshapeFusionPass, 3-D @ 2-D -> MatMul) may restructure the matmuls first;
-        whether the no-task condition then still holds is an assumption.
-        """
-        x1 = ge.Unsqueeze(x, axes=[0])
-        gate = ge.BatchMatMulV2(x1, w_gate, None, None, adj_x2=True)
-        up = ge.BatchMatMulV2(x1, w_up, None, None, adj_x2=True)
-        return ge.ConcatD([gate, up], concat_dim=0, N=2)
-
-    register(gate_up_proj.OP)(convert)
+    convert._qwen_npu_wrapped = torchair_converter
+    register(torch.ops.npu.npu_grouped_matmul.default)(convert)
+    torch.ops.npu.npu_grouped_matmul.default._ge_converter._qwen_npu_wrapped = torchair_converter
 
 
+#: ``"namespace.op"`` -> its registration: torchair's own converters corrected here, then each of this project's ops'
+#: (their ``GE_CONVERTERS``, beside the op).
 _CONVERTERS = {
     "npu.npu_fusion_attention_grad": _register_fusion_attention_grad,
     "aten.silu_backward": _register_silu_backward,
-    "qwen_npu.rotary_mul_orthogonal": functools.partial(_register_rotary_form, "rotary_mul_orthogonal"),
-    "qwen_npu.rotary_mul_aten_backward": functools.partial(_register_rotary_form, "rotary_mul_aten_backward"),
-    "qwen_npu.gate_up_proj": _register_gate_up_proj,
-    **VARLEN_CONVERTERS,
-    **MOE_CONVERTERS,
+    "npu.npu_grouped_matmul": _register_npu_grouped_matmul,
+    **{name: register for module in (rotary_mul_orthogonal, rotary_mul_aten_backward, gate_up_proj, varlen_attention_ge,
+                                     grouped_matmul) for name, register in module.GE_CONVERTERS.items()},
 }

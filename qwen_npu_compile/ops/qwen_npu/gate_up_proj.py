@@ -36,6 +36,7 @@ import torch
 
 from qwen_npu_compile.compat import guard_or_false
 from qwen_npu_compile.ops.define import define_op
+from qwen_npu_compile.ops import ge as ge_api
 
 NAMESPACE = "qwen_npu"
 SCHEMA = "gate_up_proj(Tensor x, Tensor w_gate, Tensor w_up) -> Tensor"
@@ -148,3 +149,40 @@ define_op(LIBRARY, SCHEMA, gate_up_proj, _fake, _backward, _setup_context)
 
 #: The op overload graphs hold.
 OP = torch.ops.qwen_npu.gate_up_proj.default
+
+
+def register_ge_converter() -> None:
+    """Register the GE converter of :data:`OP` with the imported torchair."""
+    register, ge = ge_api.torchair_api()
+
+    def convert(x, w_gate, w_up, meta_outputs=None):
+        """qwen_npu.gate_up_proj -> ``ConcatD([BatchMatMulV2(x1, w_gate), BatchMatMulV2(x1, w_up)], 0)``.
+
+        ``x1 = Unsqueeze(x, axes=[0])`` (``[1, ..., H]``, as torchair's ``aten.unsqueeze`` converter
+        builds it), so each matmul (``adj_x2``: ``x1 @ w.T``, the 2-D weight broadcast over the batch
+        dims, as torchair's ``aten.matmul`` converter relies on for 3-D @ 2-D) writes a ``[1, ..., I]``
+        half, and the concatenation is along the outermost axis with the matmuls as its direct inputs.
+
+        Whether GE then writes both matmul outputs into the concat's output without a copy is **not
+        verified here** (it needs GE compilation on an NPU). Evidence: GE's "Concat No Task" feature
+        (CANN GE design doc ``docs/en/design/features/concat_no_task.md``, gitcode.com/cann/ge) turns a
+        ConcatD/ConcatV2D into a virtual op whose inputs are laid out in its output when: every dim
+        before ``concat_dim`` is 1 (true here: axis 0), no padding along it, every input 32-byte
+        aligned (``T·I·itemsize``: true for Qwen2 widths), inputs not from DATA/VARIABLE/CONST nodes nor
+        graph outputs, one memory type, and **static shapes only** ("不支持 Unknown Shape"). So with
+        ``dynamic=True`` (or any symbolic dim) the ConcatD is a real copy of ``2·T·I`` elements (what
+        the activation ``cat`` moved before); with static shapes we expect none. GE's own graph passes
+        (e.g. BatchMatMulV2ReshapeFusionPass, 3-D @ 2-D -> MatMul) may restructure the matmuls first;
+        whether the no-task condition then still holds is an assumption.
+        """
+        x1 = ge.Unsqueeze(x, axes=[0])
+        gate = ge.BatchMatMulV2(x1, w_gate, None, None, adj_x2=True)
+        up = ge.BatchMatMulV2(x1, w_up, None, None, adj_x2=True)
+        return ge.ConcatD([gate, up], concat_dim=0, N=2)
+
+    register(OP)(convert)
+
+
+#: GE converters of this module's op, by ``"namespace.op"`` (registered by
+#: :func:`qwen_npu_compile.torchair.converters.register_converters`).
+GE_CONVERTERS = {"qwen_npu.gate_up_proj": register_ge_converter}

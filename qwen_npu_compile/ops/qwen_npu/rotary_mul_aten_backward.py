@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from qwen_npu_compile.ops.qwen_npu import rotary_mul_orthogonal
+from qwen_npu_compile.ops import ge
 
 #: The op's qualified name.
 NAME = "qwen_npu::rotary_mul_aten_backward"
@@ -67,3 +68,7 @@ rotary_mul_aten_backward.register_autograd(_backward, setup_context=rotary_mul_o
 
 #: The op overload graphs hold.
 OP = torch.ops.qwen_npu.rotary_mul_aten_backward.default
+
+#: GE converters of this module's op, by ``"namespace.op"`` (registered by
+#: :func:`qwen_npu_compile.torchair.converters.register_converters`): torchair's own ``npu_rotary_mul`` converter.
+GE_CONVERTERS = {"qwen_npu.rotary_mul_aten_backward": lambda: ge.register_rotary_form(OP)}

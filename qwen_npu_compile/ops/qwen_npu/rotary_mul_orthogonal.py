@@ -23,6 +23,7 @@ or the stand-in), so every limit is that op's.
 from __future__ import annotations
 
 import torch
+from qwen_npu_compile.ops import ge
 
 #: The op's qualified name.
 #: Ops of this module that ``recompute="cheap"`` may recompute in the backward instead of saving
@@ -78,3 +79,7 @@ rotary_mul_orthogonal.register_autograd(_backward, setup_context=save_cos_sin)
 
 #: The op overload graphs hold.
 OP = torch.ops.qwen_npu.rotary_mul_orthogonal.default
+
+#: GE converters of this module's op, by ``"namespace.op"`` (registered by
+#: :func:`qwen_npu_compile.torchair.converters.register_converters`): torchair's own ``npu_rotary_mul`` converter.
+GE_CONVERTERS = {"qwen_npu.rotary_mul_orthogonal": lambda: ge.register_rotary_form(OP)}

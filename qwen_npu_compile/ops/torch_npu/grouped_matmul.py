@@ -1,4 +1,4 @@
-"""Grouped matmul: the ``npu_grouped_matmul`` stand-in and ``qwen_npu::grouped_matmul``, its op with autograd.
+"""``npu_grouped_matmul``: the stand-in with torch_npu's schema, and the kernel's limits.
 
 **``npu_grouped_matmul``** (torch_npu 2.13.0, schema from ``npu_native_functions_by_codegen.yaml``; meta
 kernel ``op_plugin/meta/_meta_registrations.py``; semantics and limits ``_op_plugin_docs.py``) multiplies
@@ -13,19 +13,8 @@ single ``x`` and a single ``weight`` and ``split_item`` 2 or 3 (one output tenso
 ``group_list_type=0``: ``group_list`` holds the cumulative group ends (the last == M); ``1``: the group
 sizes. torch_npu gives the op no autograd (op-plugin ``derivatives.yaml``).
 
-**``qwen_npu::grouped_matmul(x, weight, group_list)``** is what ``patterns/moe.py`` emits in place of
-``aten._grouped_mm`` / ``transformers::grouped_mm_fallback``: the forward is ``npu_grouped_matmul([x],
-[weight], group_list=group_list, split_item=3, group_type=0, group_list_type=0)[0]``, the backward (as
-verl's ``NPUGmmFunction``, verl #4406)::
-
-    dx = npu_grouped_matmul([g], [weight.transpose(1, 2)], group_list, split_item=3, group_type=0)[0]  # [M, K]
-    dw = npu_grouped_matmul([x.t()], [g], group_list, split_item=3, group_type=2)[0]                  # [E, K, N]
-    # weight a transposed view of a [E, N, K] parameter (transformers' experts): its own layout instead,
-    dw = npu_grouped_matmul([g.t()], [x], group_list, split_item=3, group_type=2)[0].transpose(1, 2)
-
-so AOTAutograd's backward graph holds ``npu_grouped_matmul`` (which torchair converts to GE
-``GroupedMatmul``), never a bare op without gradients. Its limits: :func:`grouped_matmul_violation`
-(the one home of them).
+The project's op with autograd around it is :mod:`qwen_npu_compile.ops.qwen_npu.grouped_matmul`. The kernel's limits:
+:func:`grouped_matmul_violation` (the one home of them) and :func:`npu_call_violation`.
 """
 
 from __future__ import annotations
@@ -34,8 +23,6 @@ import torch
 
 from qwen_npu_compile.compat import guard_or_false
 from qwen_npu_compile.ops.define import define_op
-
-NAMESPACE = "qwen_npu"
 
 #: torch_npu 2.13.0's schema, verbatim (``tests/e2e/test_torchair_offline.py`` compares it with the wheel's).
 NPU_SCHEMA = (
@@ -47,7 +34,6 @@ NPU_SCHEMA = (
     "int? output_dtype=None, int? x_dtype=None, int? weight_dtype=None, int? scale_dtype=None, "
     "int? per_token_scale_dtype=None) -> Tensor[]"
 )
-SCHEMA = "grouped_matmul(Tensor x, Tensor weight, Tensor group_list) -> Tensor"
 
 #: x/weight dtypes of the non-quantized kernel (torch_npu 2.13.0 docs, "非量化": fp16, bf16, fp32; one
 #: dtype for x, weight and y).
@@ -222,77 +208,6 @@ def register(lib: torch.library.Library) -> None:
     """Define the ``npu_grouped_matmul`` stand-in in ``lib`` (the ``npu`` namespace): kernel and fake; no
     autograd, as in torch_npu."""
     define_op(lib, NPU_SCHEMA, reference_grouped_matmul, _fake_grouped_matmul)
-
-
-# --------------------------------------------------------------------------------------------------
-# qwen_npu::grouped_matmul
-
-
-def _check(x, weight, group_list) -> None:
-    reason = grouped_matmul_violation(x, weight, group_list)
-    if reason is not None:
-        raise RuntimeError(f"{NAMESPACE}::grouped_matmul: {reason}")
-
-
-def _npu_gmm(x, weight, group_list, group_type: int) -> torch.Tensor:
-    return torch.ops.npu.npu_grouped_matmul.default(
-        [x], [weight], group_list=group_list, split_item=3, group_type=group_type, group_list_type=0
-    )[0]
-
-
-def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, group_list: torch.Tensor) -> torch.Tensor:
-    """Rows of ``x`` grouped by ``group_list`` times their group's weight (the kernel; module docstring).
-
-    Args:
-        x: ``[M, K]`` (rows sorted by group); fp16/bf16/fp32.
-        weight: ``[E, K, N]``, x's dtype (a transposed view such as ``gate_up_proj.transpose(1, 2)`` is fine).
-        group_list: int64 ``[E]``, cumulative group ends (non-decreasing, the last == M): ``aten._grouped_mm``'s
-            ``offs`` as int64.
-
-    Returns:
-        ``[M, N]``, x's dtype: ``out[s_e:t_e] = x[s_e:t_e] @ weight[e]``.
-
-    Raises:
-        RuntimeError: a limit of :func:`grouped_matmul_violation` is broken (the message names it), or, from
-            the kernel, group_list values that do not cover M.
-    """
-    _check(x, weight, group_list)
-    return _npu_gmm(x, weight, group_list, 0)
-
-
-def _fake(x, weight, group_list):
-    _check(x, weight, group_list)
-    return x.new_empty((x.shape[0], weight.shape[2]))
-
-
-def _setup_context(ctx, inputs, output):
-    x, weight, group_list = inputs
-    ctx.save_for_backward(x, weight, group_list)
-
-
-def _backward(ctx, grad):
-    x, weight, group_list = ctx.saved_tensors
-    grad = grad.contiguous()  # "x不支持转置": the grouped operand of group_type 0 must not be a transposed view
-    dx = dw = None
-    if ctx.needs_input_grad[0]:
-        dx = _npu_gmm(grad, weight.transpose(1, 2), group_list, 0)
-    if ctx.needs_input_grad[1]:
-        if _is_transposed(weight):
-            # weight = param.transpose(1, 2) (transformers' experts): dWᵀ [E, N, K] in the parameter's own
-            # layout, so that its transpose is the parameter's gradient without a layout copy after the graph
-            # (2,304 MiB per Qwen3-30B-A3B layer at T = 4096: benchmarks/moe_traffic.py); same FLOPs
-            dw = _npu_gmm(grad.t(), x, group_list, 2).transpose(1, 2)
-        else:
-            dw = _npu_gmm(x.t(), grad, group_list, 2)
-    return dx, dw, None
-
-
-#: The ``qwen_npu`` fragment holding the op (alive for the whole process).
-LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
-define_op(LIBRARY, SCHEMA, grouped_matmul, _fake, _backward, _setup_context)
-
-#: The op overload graphs hold.
-OP = torch.ops.qwen_npu.grouped_matmul.default
 
 
 def npu_call_violation(x, weight, group_list, group_type, *, downstream: str | None = None) -> str | None:

@@ -1,4 +1,4 @@
-"""torchair GE converters of the packed-sequence (varlen) ops: TND FlashAttentionScore(Grad) and the offsets.
+"""The GE converters of :mod:`.varlen_attention`'s ops: TND FlashAttentionScore(Grad) and the offsets.
 
 torchair's own converter of ``npu_fusion_attention(_grad)`` (torch_npu 2.13.0 and torchair master,
 ``ge_converter/custom/npu_fusion_attention.py``) raises ``NotImplementedError`` for every layout but BSH
@@ -67,6 +67,8 @@ import weakref
 
 import torch
 
+from qwen_npu_compile.ops.ge import torchair_api
+
 #: ``pre_tockens`` / ``next_tockens``: npu_fusion_attention's defaults (no band), what the op's kernel uses.
 NO_BAND = 2147483647
 #: ``inner_precise``: npu_fusion_attention's default, what the op's kernel uses.
@@ -78,14 +80,6 @@ RULES = ("restart", "zero")
 
 #: GE graph -> its compressed causal mask Const (one per graph, whatever the number of layers).
 _MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _api():
-    """torchair's registration decorator and GE op builders."""
-    from torchair import register_fx_node_ge_converter
-    from torchair._ge_concrete_graph import ge_apis
-
-    return register_fx_node_ge_converter, ge_apis
 
 
 def _causal_mask(ge):
@@ -164,7 +158,7 @@ def _tnd_arguments(ge, op: str, query, key, value, seq_ends, head_num: int, scal
 def _register_varlen_attention() -> None:
     from qwen_npu_compile.ops.qwen_npu import varlen_attention
 
-    register, ge = _api()
+    register, ge = torchair_api()
 
     def convert(query, key, value, seq_ends, head_num, scale, sparse_mode=3, meta_outputs=None):
         """qwen_npu.varlen_attention -> FlashAttentionScore(input_layout="TND"); see the module docstring."""
@@ -181,7 +175,7 @@ def _register_varlen_attention() -> None:
 def _register_varlen_attention_backward() -> None:
     from qwen_npu_compile.ops.qwen_npu import varlen_attention
 
-    register, ge = _api()
+    register, ge = torchair_api()
 
     def convert(dy, query, key, value, out, softmax_max, softmax_sum, seq_ends, head_num, scale, sparse_mode=3,
                 meta_outputs=None):
@@ -200,7 +194,7 @@ def _register_varlen_attention_backward() -> None:
 def _register_seq_ends_from_positions() -> None:
     from qwen_npu_compile.ops.qwen_npu import varlen_attention
 
-    register, ge = _api()
+    register, ge = torchair_api()
     int64 = ge.DataType.DT_INT64
 
     def convert(position_ids, rule, meta_outputs=None):
@@ -229,8 +223,9 @@ def _register_seq_ends_from_positions() -> None:
     register(varlen_attention.SEQ_ENDS_OP)(convert)
 
 
-#: ``"namespace.op"`` -> its registration (merged into :data:`qwen_npu_compile.torchair.converters._CONVERTERS`).
-CONVERTERS = {
+#: ``"namespace.op"`` -> its registration (registered by
+#: :func:`qwen_npu_compile.torchair.converters.register_converters`).
+GE_CONVERTERS = {
     "qwen_npu.varlen_attention": _register_varlen_attention,
     "qwen_npu.varlen_attention_backward": _register_varlen_attention_backward,
     "qwen_npu.seq_ends_from_positions": _register_seq_ends_from_positions,

@@ -1,7 +1,7 @@
 """Finding a model's decoder layers and cleaning wrapper parts out of module names.
 
-The piece :mod:`.worker` (per-layer compile) and :mod:`.varlen` (packed micro-batches) share; both import it,
-it imports neither, so ``integrations/`` depends one way (worker -> varlen -> layers).
+The piece :mod:`.worker` (per-layer compile) and :mod:`.substitutions.varlen_attention` (packed micro-batches)
+share; both import it, it imports neither, so they depend one way (worker -> varlen_attention -> layers).
 """
 
 from __future__ import annotations

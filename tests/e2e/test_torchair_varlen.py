@@ -1,5 +1,5 @@
 """torchair FX->GE conversion (off-NPU, torch_npu 2.13.0 wheel) of packed-sequence graphs: the varlen ops
-through this project's converters (``qwen_npu_compile/torchair/converters_varlen.py``).
+through this project's converters (``qwen_npu_compile/ops/qwen_npu/varlen_attention_ge.py``).
 
 One subprocess (``torchair_varlen_cases.py``; importing torchair patches torch process-wide) converts every
 case and describes the GE graphs; the tests below read its JSON. Cases: a toy module (q/k/v projections

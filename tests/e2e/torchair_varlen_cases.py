@@ -330,7 +330,7 @@ def ir_checks() -> dict:
                 if got != expected:
                     results["mismatches"].append({"rule": rule, "dtype": str(dtype), "row": row, "ge": got,
                                                   "kernel": expected})
-    from qwen_npu_compile.torchair import converters_varlen as ge_converters_varlen
+    from qwen_npu_compile.ops.qwen_npu import varlen_attention_ge as ge_converters_varlen
 
     graph = GeGraph(name="qwen_npu_mask_check")
     with default_ge_graph(graph):

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from conftest import aot_traced, call_targets, torchair_wheel_sources
-from qwen_npu_compile.ops.torch_npu import grouped_matmul as gmm
+from qwen_npu_compile.ops.qwen_npu import grouped_matmul as gmm
+from qwen_npu_compile.ops.torch_npu import grouped_matmul as npu_gmm
 
 npu = torch.ops.npu
 
@@ -107,15 +108,15 @@ def test_aot_graphs_hold_the_op_forward_and_npu_grouped_matmul_backward(npu_ops)
 
 def test_limits_name_what_to_change(npu_ops):
     x, weight, offs = _case(torch.float32)
-    violation = gmm.grouped_matmul_violation
+    violation = npu_gmm.grouped_matmul_violation
     assert violation(x, weight, offs.long()) is None
     assert "int64" in violation(x, weight, offs)
     assert "dtypes differ" in violation(x, weight.to(torch.bfloat16), offs.long())
-    many = torch.empty(gmm.MAX_GROUPS + 1, 16, 8)
-    assert "at most 1024" in violation(x, many, torch.zeros(gmm.MAX_GROUPS + 1, dtype=torch.int64))
-    wide = torch.empty(1, gmm.INNER_LIMIT, 8)
-    assert "below 65536" in violation(torch.empty(2, gmm.INNER_LIMIT), wide, torch.tensor([2]))
-    long_rows = torch.empty(gmm.INNER_LIMIT, 16)
+    many = torch.empty(npu_gmm.MAX_GROUPS + 1, 16, 8)
+    assert "at most 1024" in violation(x, many, torch.zeros(npu_gmm.MAX_GROUPS + 1, dtype=torch.int64))
+    wide = torch.empty(1, npu_gmm.INNER_LIMIT, 8)
+    assert "below 65536" in violation(torch.empty(2, npu_gmm.INNER_LIMIT), wide, torch.tensor([2]))
+    long_rows = torch.empty(npu_gmm.INNER_LIMIT, 16)
     assert violation(long_rows, weight, offs.long()) is None
     assert "weight gradient" in violation(long_rows, weight, offs.long(), backward=True)
     with pytest.raises(RuntimeError, match="qwen_npu::grouped_matmul: .*int64"):

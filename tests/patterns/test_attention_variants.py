@@ -1,4 +1,4 @@
-"""The attention variant table (``patterns/attention.py: SPELLINGS``): every row matches the graph that
+"""The attention variant table (``patterns/attention/spellings.py``: ``SPELLINGS``): every row matches the graph that
 transformers' own attention functions give in the setting its ``why`` names, and fuses it with parity.
 
 Each row is exercised alone (a pass holding only that row's variant), on transformers' real
@@ -123,7 +123,7 @@ def test_every_row_anchors_on_an_op_of_its_own_pattern(npu_ops):
     """Lazy registration traces a row only when its ``anchor_ops`` occur in the graph: each anchor op must
     be a node of the row's traced pattern (else the row could never be registered where it matches)."""
     for row in attention.SPELLINGS:
-        variant = attention._variant(row)
+        variant = attention.dense._variant(row)
         traced = canonicalize.trace_pattern(variant.search_fn, list(variant.example_inputs()))
         ops = {node.target for node in traced.graph.nodes if node.op == "call_function"}
         assert set(variant.anchor_ops) <= ops, (row.name, variant.anchor_ops)

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import assert_parity
 from qwen_npu_compile import handoff
+from qwen_npu_compile.handoff import fallback
 from qwen_npu_compile.cli.check.models import tiny_qwen2, tiny_qwen2_config
 from qwen_npu_compile.ops.qwen_npu import varlen_attention as varlen_ops
 from qwen_npu_compile.ops.limits import bound_arguments
@@ -44,7 +45,7 @@ def _packed(lengths=LENGTHS, seed=0):
 def aot_ops(monkeypatch):
     """Per AOT graph kind (``forward`` / ``backward``), the qwen_npu / npu op counts of every graph handed off."""
     seen = []
-    original = handoff.npu_op_counts
+    original = fallback.npu_op_counts
 
     def spy(graph, namespace="npu"):
         if namespace != "npu":  # the hand-off counts each graph's npu ops, then its qwen_npu ops: count once
@@ -58,7 +59,7 @@ def aot_ops(monkeypatch):
         seen.append(counts)
         return original(graph)
 
-    monkeypatch.setattr(handoff, "npu_op_counts", spy)
+    monkeypatch.setattr(fallback, "npu_op_counts", spy)
     return seen
 
 
@@ -87,7 +88,7 @@ def dispatch_mode(monkeypatch):
     """While ``.active``, the AOT forward and backward graphs handed off run under one :class:`_SquareTensors`
     mode (Dynamo runs no compiled frame while a dispatch mode is active, so it goes inside the graphs)."""
     state = types.SimpleNamespace(active=False, mode=_SquareTensors(T))
-    original = handoff._recording_compiler
+    original = handoff.recording_compiler
 
     def recording_compiler(kind, report, config):
         compiler = original(kind, report, config)
@@ -106,7 +107,7 @@ def dispatch_mode(monkeypatch):
 
         return wrapped
 
-    monkeypatch.setattr(handoff, "_recording_compiler", recording_compiler)
+    monkeypatch.setattr(handoff, "recording_compiler", recording_compiler)
     return state
 
 

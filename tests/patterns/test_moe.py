@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from conftest import assert_parity, run_ge_script, tiny_moe
-from qwen_npu_compile.ops.torch_npu import grouped_matmul as gmm
+from qwen_npu_compile.ops.qwen_npu import grouped_matmul as gmm
 from qwen_npu_compile.patterns import expected_fusions
 
 LAYERS = 2

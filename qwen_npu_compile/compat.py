@@ -66,7 +66,7 @@ import torch
 import torch.fx
 import torch.utils.checkpoint
 
-if TYPE_CHECKING:  # Inductor's pattern matcher is imported when first used (npu_ops import this module)
+if TYPE_CHECKING:  # Inductor's pattern matcher is imported when first used (the ops/ modules import this module)
     from torch._inductor import pattern_matcher as pm
 
 __all__ = [

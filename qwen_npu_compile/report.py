@@ -66,7 +66,7 @@ class GraphReport:
             "source": model source line, "error": "<type>: <message>"}``.
         ge: torchair's FX→GE conversion of this graph when the downstream is torchair off-NPU (torch_npu
             version, GE op counts per GE graph, every node that failed to convert), else None; a
-            ``qwen_npu_compile.torchair.offline.GeResults`` (not imported here: torchair_offline imports
+            ``qwen_npu_compile.torchair.offline.GeResults`` (not imported here: torchair/offline imports
             this module, never the other way round).
         layout_pins: every node of the AOT graphs whose output was copied to the layout AOTAutograd traced
             it with, because its eager kernel lays it out otherwise than its fake kernel (a torch bug,
@@ -94,7 +94,7 @@ class GraphReport:
     fallback: str | None = None
     fallback_stage: str | None = None
     downstream_fallbacks: list[dict] = dataclasses.field(default_factory=list)
-    ge: object | None = None  # torchair_offline.GeResults
+    ge: object | None = None  # torchair.offline.GeResults
     layout_pins: list[dict] = dataclasses.field(default_factory=list)
     recomputed: dict[str, int] = dataclasses.field(default_factory=dict)
 
@@ -165,7 +165,7 @@ def versions() -> dict[str, str | None]:
 
 
 #: The torch_npu version of the off-NPU torchair imported in this process (set by
-#: :func:`note_offline_torchair`, which ``torchair_offline.importer`` calls), or None.
+#: :func:`note_offline_torchair`, which ``torchair.offline.importer`` calls), or None.
 _OFFLINE_TORCHAIR: list[str] = []
 
 
@@ -173,7 +173,7 @@ def note_offline_torchair(torch_npu_version: str) -> None:
     """Record that the off-NPU torchair of ``torch_npu_version`` is imported (for :func:`versions`).
 
     Called by :func:`qwen_npu_compile.torchair.offline.importer.import_torchair`: the dependency runs
-    from torchair_offline to this module only (no import cycle).
+    from torchair/offline to this module only (no import cycle).
     """
     _OFFLINE_TORCHAIR[:] = [torch_npu_version]
 

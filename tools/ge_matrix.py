@@ -2,7 +2,7 @@
 
 Runs ``qwen-npu-compile check qwen2.5-0.5b --layers 2 --vocab-size 4096 --downstream torchair`` (off-NPU: torchair's
 own converters from the torch_npu wheel that pairs with the installed torch, see
-``qwen_npu_compile/torchair_offline``) once per combination of mode (train/infer), dtype (bf16/fp16),
+``qwen_npu_compile/torchair/offline``) once per combination of mode (train/infer), dtype (bf16/fp16),
 attention (sdpa/eager) and sequence length (static/``--dynamic``), plus left-padded training runs
 (``--left-padding``), each in its own process (importing
 torchair patches torch for the whole process). Prints one line per run: the verdict, the fusion

@@ -95,7 +95,7 @@ def fusion_attention_violation(
     downstream: str | None = None,
 ) -> str | None:
     """Why ``npu_fusion_attention`` (and its grad) would refuse these arguments, or None: the one home of
-    this op's limits, used by the stand-in's validation, ``patterns/attention.py`` and the GE conversion
+    this op's limits, used by the stand-in's validation, ``patterns/attention/dense.py`` and the GE conversion
     check.
 
     Kernel limits (torch_npu 2.13.0 ``_op_plugin_docs.py``, the op-plugin page

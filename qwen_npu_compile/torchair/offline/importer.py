@@ -113,7 +113,7 @@ def import_torchair(sources: TorchairSources) -> OfflineTorchair:
             spec.loader.exec_module(module)
             # Load the converters of torch_npu's own ops now, not at the first converter lookup that
             # misses (fx2ge_converter._get_converter): a later import would re-register torchair's
-            # converters over the ones this project registers (ge_converters.register_converters).
+            # converters over the ones this project registers (torchair.converters.register_converters).
             importlib.import_module("torchair._ge_concrete_graph.ge_converter.custom")
         for warning in caught:
             log.debug("torchair import: %s", warning.message)

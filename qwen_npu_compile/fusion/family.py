@@ -55,8 +55,8 @@ class CheckDecision(Generic[T]):
     The replacement receives only the matched tensors and scalars. Inductor's pattern matcher calls a match's
     ``extra_check`` (the variant's check) and, when it accepts, traces the replacement for that same match right
     away, in the same thread (``torch/_inductor/pattern_matcher.py``: ``PatternMatcherPass.apply`` →
-    ``ReplacementPatternEntry.apply`` → ``replace_by_example``). So the check :meth:`decide`\ s and the
-    replacement :meth:`get`\ s. A variant lists the decisions its replacement reads in
+    ``ReplacementPatternEntry.apply`` → ``replace_by_example``). So the check calls :meth:`decide` and the
+    replacement calls :meth:`get`. A variant lists the decisions its replacement reads in
     :attr:`PatternVariant.decides`; :class:`FamilyPass` resets them to their defaults before each match is
     checked, so that no decision outlives its match. Values live in a ``contextvars.ContextVar`` (per thread).
 
@@ -101,12 +101,12 @@ class PatternVariant:
         why: one line on why this variant exists.
         search_fn_pattern: optional prebuilt pattern used as is, for the first match and as the exact
             pattern (Inductor then skips re-tracing ``search_fn`` with the match's shapes, a re-trace
-            that can bind only one of several independent symbolic sizes; see ``patterns/attention.py``),
+            that can bind only one of several independent symbolic sizes; see ``patterns/attention/spellings.py``),
             or a function without arguments that builds it (called at registration, so that a variant
             no graph needs is never traced).
         anchor_ops: ATen ops of which one must occur in a graph before this variant is registered
             (traced) for it; empty means the family's :attr:`FusionFamily.anchor_ops`.
-        decides: the :class:`CheckDecision`\ s ``check`` sets and ``replace_fn`` reads; reset before each
+        decides: the :class:`CheckDecision` objects ``check`` sets and ``replace_fn`` reads; reset before each
             check.
     """
 

@@ -42,7 +42,7 @@ computed once per step, read by every layer):
 
 The layer's graph therefore holds one ``qwen_npu.varlen_attention`` per layer and no ``T x T`` tensor;
 the attention family counts it as a fusion of the variant ``varlen_packed_offsets``
-(``patterns/attention.py`` ``TAKEOVER_VARIANT``).
+(``patterns/attention/family.py`` ``TAKEOVER_VARIANT``).
 
 What this relies on is checked at :func:`install` (a changed transformers or verl fails loudly there,
 naming the version): the ``_flash_attention_forward`` name and parameters, ``ALL_ATTENTION_FUNCTIONS``,

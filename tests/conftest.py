@@ -7,6 +7,7 @@ tests judge parity exactly as ``qwen-npu-compile check`` does (docs/check.md, "P
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from pathlib import Path
 
@@ -33,6 +34,31 @@ def _clean_state():
     torch.manual_seed(0)
     yield
     torch._dynamo.reset()
+
+
+def _process_state() -> list[tuple[object, str]]:
+    """``(module, name)`` of the package's process-wide state a test can change: the Gated DeltaNet substitution's
+    switch (every qwen_npu compile sets it from its options' families: a compile with ``fusions="rms_norm"``
+    left the next test's DeltaNet traced as Python, transformers' hub wrapper then raising on packed rows) and
+    the said-once memories of warnings (a test that expects the warning would not see it after another test
+    said it)."""
+    from qwen_npu_compile import dump, worker
+    from qwen_npu_compile.ops.qwen_npu import gated_delta_rule_kernels
+    from qwen_npu_compile.substitutions import deltanet, varlen_attention
+
+    return [(deltanet, "_enabled"), (deltanet, "_refused"), (varlen_attention, "_warned"),
+            (gated_delta_rule_kernels, "_logged"), (worker, "_warned_cache_eager"), (worker, "_said_cache_dropped"),
+            (dump, "_STOPPED")]
+
+
+@pytest.fixture(autouse=True)
+def _restore_process_state():
+    """Each test leaves the package's process-wide state (:func:`_process_state`) as it found it, so that the
+    tests pass in any order, one process or several."""
+    saved = [(module, name, copy.copy(getattr(module, name))) for module, name in _process_state()]
+    yield
+    for module, name, value in saved:
+        setattr(module, name, value)
 
 
 @pytest.fixture(scope="session")

@@ -55,6 +55,8 @@ ENV_RECOMPUTE = "QWEN_NPU_RECOMPUTE"
 ENV_TORCHAIR_MODE = "QWEN_NPU_TORCHAIR_MODE"
 ENV_TORCHAIR_DUMP = "QWEN_NPU_TORCHAIR_DUMP"
 ENV_TORCHAIR_RUN_EAGERLY = "QWEN_NPU_TORCHAIR_RUN_EAGERLY"
+#: The environment variable that switches :func:`qwen_npu_compile.maybe_compile` on (and the verl hook).
+ENV_COMPILE = "QWEN_NPU_COMPILE"
 
 #: torchair ``CompilerConfig.mode`` values this backend accepts (torch_npu 2.13.0
 #: ``torchair/configs/compiler_config.py``; "npugraph_ex" is a separate torchair backend).

@@ -66,11 +66,6 @@ def dump_root(config: QwenNpuConfig) -> Path:
     return config.dump_dir
 
 
-def graph_folder(config: QwenNpuConfig, graph_name: str) -> Path | None:
-    """``<root>/<graph_name>``, or None when dumping is off."""
-    return dump_root(config) / graph_name if config.dump_dir is not None else None
-
-
 def dumping(config: QwenNpuConfig) -> bool:
     """Whether dumps are written for ``config``: a ``dump_dir`` is set and no write to it has failed."""
     return config.dump_dir is not None and _key(config) not in _STOPPED

@@ -24,7 +24,8 @@ from collections.abc import Mapping
 
 from transformers import TrainerCallback
 
-from qwen_npu_compile.worker import ENV_COMPILE, CompiledLayers, compile_requested, maybe_compile
+from qwen_npu_compile.config import ENV_COMPILE
+from qwen_npu_compile.worker import CompiledLayers, compile_requested, maybe_compile
 
 
 class QwenNpuCompileCallback(TrainerCallback):

@@ -73,7 +73,9 @@ from torch import nn
 from qwen_npu_compile.integrations import torch_compiler
 from qwen_npu_compile.integrations import verl_npu_patch
 from qwen_npu_compile.layers import clean_name, find_decoder_layers
-from qwen_npu_compile.worker import _FSDP1_FIX, ENV_COMPILE, compile_requested, maybe_compile
+from qwen_npu_compile.config import ENV_COMPILE
+from qwen_npu_compile.integrations.fsdp1 import FIX as FSDP1_FIX
+from qwen_npu_compile.worker import compile_requested, maybe_compile
 
 log = logging.getLogger("qwen_npu_compile")
 
@@ -174,7 +176,7 @@ def _refuse_flat_parameters(engine) -> None:
         raise ValueError(
             f"qwen_npu: {ENV_COMPILE}=1 but verl's {type(engine).__name__} wraps the model with FSDP1 and "
             "use_orig_params=False (verl's default, fsdp_config.use_orig_params: false); a compiled decoder "
-            f"layer cannot use FSDP1's FlatParameter. To compile it, {_FSDP1_FIX}"
+            f"layer cannot use FSDP1's FlatParameter. To compile it, {FSDP1_FIX}"
         )
 
 

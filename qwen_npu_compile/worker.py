@@ -51,7 +51,6 @@ import dataclasses
 import functools
 import logging
 import os
-import sys
 import types
 from collections.abc import Mapping
 
@@ -59,26 +58,18 @@ import torch
 from torch import nn
 
 from qwen_npu_compile import compat, substitutions
-from qwen_npu_compile.integrations import torch_compiler
-from qwen_npu_compile.config import QwenNpuConfig, parse_bool
+from qwen_npu_compile.integrations import fsdp1, torch_compiler
+from qwen_npu_compile.config import ENV_COMPILE, QwenNpuConfig, parse_bool
 from qwen_npu_compile.report import SUMMARY, GraphReport
-from qwen_npu_compile.layers import clean_name, find_decoder_layers  # noqa: F401 (public here too)
+from qwen_npu_compile.layers import clean_name, find_decoder_layers
 from qwen_npu_compile.substitutions.varlen_attention import packed_layer_call
 
 log = logging.getLogger("qwen_npu_compile")
 
-#: The environment variable that switches :func:`maybe_compile` on.
-ENV_COMPILE = "QWEN_NPU_COMPILE"
 
 #: Keyword arguments through which Hugging Face layers receive a KV cache (4.x and 5.x spellings).
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
-_FSDP1_FIX = (
-    "pass use_orig_params=True to FullyShardedDataParallel (verl: "
-    "actor_rollout_ref.actor.fsdp_config.use_orig_params=True, likewise actor_rollout_ref.ref.fsdp_config and "
-    "critic.model.fsdp_config), or use FSDP2 (fully_shard; verl: actor_rollout_ref.actor.strategy=fsdp2), "
-    f"or leave {ENV_COMPILE} unset"
-)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -246,46 +237,6 @@ class _AttributingBackend:
 
 
 _BACKEND = _AttributingBackend()
-
-
-# --------------------------------------------------------------------------------------------------
-# FSDP1 flat parameters
-
-
-def _fsdp1_without_orig_params(model: nn.Module) -> list[str]:
-    """Names of FSDP1 ``FullyShardedDataParallel`` modules in ``model`` built with ``use_orig_params=False``."""
-    fsdp_module = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
-    if fsdp_module is None:  # FSDP1 never imported: nothing can be wrapped by it
-        return []
-    fsdp_class = fsdp_module.FullyShardedDataParallel
-    return [
-        clean_name(name) or "<root>"
-        for name, module in model.named_modules()
-        if isinstance(module, fsdp_class) and not getattr(module, "_use_orig_params", True)
-    ]
-
-
-def _has_flat_parameters(layer: nn.Module, had_parameters: bool) -> bool:
-    """Whether FSDP1 (``use_orig_params=False``) replaced the layer's parameters with a FlatParameter.
-
-    The FlatParameter is registered on the layer when it is its own FSDP unit; when an outer unit owns
-    it, the layer keeps no parameters at all (only plain-tensor views during forward).
-    """
-    flat_module = sys.modules.get("torch.distributed.fsdp._flat_param")
-    if flat_module is None:
-        return False
-    params = list(layer.parameters())
-    if any(isinstance(p, flat_module.FlatParameter) for p in params):
-        return True
-    return had_parameters and not params
-
-
-def _fsdp1_message(where: str) -> str:
-    return (
-        f"qwen_npu: {where} is wrapped by FSDP1 (FullyShardedDataParallel) with use_orig_params=False; its "
-        "parameters are flattened into a FlatParameter that a compiled layer cannot use (Dynamo breaks the "
-        f"layer's graph apart and nothing fuses). To compile it, {_FSDP1_FIX}"
-    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -485,9 +436,9 @@ class _CompiledLayerCall:
         self._warned_eager = False
 
     def _check(self) -> None:
-        if _has_flat_parameters(self.layer, self._had_parameters):
+        if fsdp1.has_flat_parameters(self.layer, self._had_parameters):
             where = f"decoder layer {self.record.name!r}, compiled by maybe_compile before wrapping,"
-            raise ValueError(_fsdp1_message(where))
+            raise ValueError(fsdp1.message(where))
         self._checked = True
 
     def __call__(self, *args, **kwargs):
@@ -622,9 +573,9 @@ def maybe_compile(
     config = QwenNpuConfig.from_options(options)  # validate now, not at the first forward
     compat.transformers_version_probes_constant()  # transformers is imported by now (the model is built)
     compat.install_tracing_fixes()  # where the package was imported before torch (its names load lazily)
-    flat = _fsdp1_without_orig_params(model)
+    flat = fsdp1.without_orig_params(model)
     if flat:
-        raise ValueError(_fsdp1_message(f"the model (FSDP1 unit(s) {flat[:3]}{'...' if len(flat) > 3 else ''})"))
+        raise ValueError(fsdp1.message(f"the model (FSDP1 unit(s) {flat[:3]}{'...' if len(flat) > 3 else ''})"))
     layers = find_decoder_layers(model)
     compiler = _Compiler(dict(options) if options else None, strict=config.strict)
     compiler.model_name = type(model).__name__
@@ -638,8 +589,8 @@ def maybe_compile(
             records.append(existing.record)
             earlier = earlier or existing.compiler
             continue
-        if _has_flat_parameters(layer, had_parameters=False):
-            raise ValueError(_fsdp1_message(f"decoder layer {name!r}"))
+        if fsdp1.has_flat_parameters(layer, had_parameters=False):
+            raise ValueError(fsdp1.message(f"decoder layer {name!r}"))
         if existing is not None:
             log.warning("qwen_npu: decoder layer %s was already compiled (%r); recompiling it with qwen_npu",
                         name, existing)

@@ -35,7 +35,7 @@ from torch._inductor import pattern_matcher as pm
 
 from qwen_npu_compile import compat
 from qwen_npu_compile.fusion import near_miss as foreign_anchors
-from qwen_npu_compile.graph.utils import node_source, trace_pattern  # noqa: F401 (node_source: public here too)
+from qwen_npu_compile.graph.utils import node_source, trace_pattern
 
 log = logging.getLogger(__name__)
 

@@ -26,6 +26,7 @@ import torch._dynamo.exc
 import torch.fx
 
 from qwen_npu_compile.graph import canonicalize
+from qwen_npu_compile.graph.utils import checkpoint_operands
 from qwen_npu_compile.config import ALL_FAMILIES, QwenNpuConfig
 from qwen_npu_compile.fusion.family import (
     CompileTarget,
@@ -113,7 +114,7 @@ class FusionPasses:
         recorder = RefusalRecorder()
         matched: Counter[str] = Counter()
         graphs = canonicalize.fusion_graphs(gm)  # gm and its activation-checkpointed regions' bodies
-        operands = canonicalize.checkpoint_operands(gm)  # what the regions' callers bind to their bodies' inputs
+        operands = checkpoint_operands(gm)  # what the regions' callers bind to their bodies' inputs
         with targeting(target), counting_matches(matched), binding_region_operands(operands):
             for family in self.enabled:
                 try:

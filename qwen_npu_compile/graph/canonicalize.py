@@ -42,13 +42,10 @@ from qwen_npu_compile import compat
 from qwen_npu_compile.graph.utils import (
     checkpoint_bodies,
     checkpoint_calls,
-    checkpoint_operands,
     custom_autograd_function_applies,
     fusion_graphs,
     node_source,
     normalize,
-    remove_constant_detach_,
-    remove_noop_casts,
     remove_noop_slices,
     trace_pattern,
 )

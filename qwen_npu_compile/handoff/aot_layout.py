@@ -239,7 +239,7 @@ def pin_layouts(gm: torch.fx.GraphModule) -> list[dict]:
         One ``{"node", "op", "fake_order", "eager_order", "source"}`` per pinned node (dimension orders
         outermost first, size-1 dims left out), in graph order.
     """
-    from qwen_npu_compile.fusion.family import node_source
+    from qwen_npu_compile.graph.utils import node_source
 
     pinned = []
     for node in list(gm.graph.nodes):

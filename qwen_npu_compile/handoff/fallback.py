@@ -80,7 +80,7 @@ def failing_node(exc: BaseException) -> torch.fx.Node | None:
 def node_source_line(node: torch.fx.Node) -> str:
     """``file:line`` of the model code of ``node``: its own, else its nearest user's (a fused op's
     result reaches a node with a stack trace through getitem/view nodes)."""
-    from qwen_npu_compile.fusion.family import node_source
+    from qwen_npu_compile.graph.utils import node_source
     from qwen_npu_compile.torchair.offline.convert import UNKNOWN, _nearest_user_source
 
     found = node_source(node)

@@ -110,11 +110,6 @@ _refused: set[str] = set()
 _bindings: dict[str, str] = {}
 
 
-class DeltaNetIntegrationError(RuntimeError):
-    """transformers or verl no longer has what a substitution relies on (raised inside :func:`install`,
-    caught there and logged as one warning)."""
-
-
 def _versions() -> str:
     import transformers
 

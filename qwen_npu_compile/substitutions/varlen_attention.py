@@ -115,11 +115,6 @@ def _attn_implementation(config) -> str | None:
     return getattr(config, "_attn_implementation", None)
 
 
-def _linear_attention_layers(config) -> bool:
-    """Whether ``config``'s ``layer_types`` hold Gated DeltaNet layers (Qwen3.5 / Qwen3-Next)."""
-    return "linear_attention" in (getattr(config, "layer_types", None) or ())
-
-
 def _full_attention_only(config) -> bool:
     """Every attention layer is full (causal) attention: no sliding window in use (Qwen2 ``use_sliding_window``,
     Mistral ``sliding_window``, ``layer_types`` with ``sliding_attention``). Gated DeltaNet layers

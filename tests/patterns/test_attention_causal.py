@@ -65,14 +65,14 @@ def test_checkpointed_layers_prove_the_mask_their_caller_builds(npu_ops, rewritt
     """With activation checkpointing the mask reaches each layer's region body as an input: the proof
     follows it to the mask the calling graph builds, so every layer takes sparse_mode 2 (the region call
     still passes the explicit mask, now unused by attention)."""
-    from qwen_npu_compile.graph import canonicalize
+    from qwen_npu_compile.graph.utils import checkpoint_bodies
 
     model = tiny_qwen2(torch.float32, attn=attn, **GQA64).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     reports = assert_parity(model, _ids(), True, torch.float32, options=OPTIONS)
     assert [r.fusions["attention"] for r in reports] == [LAYERS]
     (gm,) = rewritten
-    bodies = canonicalize.checkpoint_bodies(gm)
+    bodies = checkpoint_bodies(gm)
     assert len(bodies) == LAYERS
     assert [call for body in bodies for call in _attention_calls(body)] == [CAUSAL] * LAYERS
 

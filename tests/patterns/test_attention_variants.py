@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from qwen_npu_compile.graph import canonicalize
+from qwen_npu_compile.graph.utils import trace_pattern
 from qwen_npu_compile.fusion.family import CompileTarget, RefusalRecorder, targeting
 from qwen_npu_compile.ops.limits import bound_arguments
 from qwen_npu_compile.patterns import attention
@@ -124,7 +125,7 @@ def test_every_row_anchors_on_an_op_of_its_own_pattern(npu_ops):
     be a node of the row's traced pattern (else the row could never be registered where it matches)."""
     for row in attention.SPELLINGS:
         variant = attention.dense._variant(row)
-        traced = canonicalize.trace_pattern(variant.search_fn, list(variant.example_inputs()))
+        traced = trace_pattern(variant.search_fn, list(variant.example_inputs()))
         ops = {node.target for node in traced.graph.nodes if node.op == "call_function"}
         assert set(variant.anchor_ops) <= ops, (row.name, variant.anchor_ops)
         assert set(variant.anchor_ops) <= set(attention.AttentionFamily.anchor_ops)

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from qwen_npu_compile.fusion.family import node_source
+from qwen_npu_compile.graph.utils import node_source
 
 log = logging.getLogger("qwen_npu_compile")
 

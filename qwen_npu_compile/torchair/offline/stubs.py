@@ -128,6 +128,3 @@ def install_stubs() -> None:
             sys.modules[qualified] = _torchair_module() if name == "_torchair" else _ExtensionStandIn(qualified)
 
 
-def is_stub(module: object) -> bool:
-    """True when ``module`` is one of these stand-ins."""
-    return isinstance(module, _ExtensionStandIn)

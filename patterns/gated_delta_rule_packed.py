@@ -57,7 +57,8 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
 
-from qwen_npu_compile.fusion.family import meta_val, node_source
+from qwen_npu_compile.fusion.family import meta_val
+from qwen_npu_compile.graph.utils import node_source
 from qwen_npu_compile.substitutions import deltanet
 from qwen_npu_compile.ops.qwen_npu import varlen_attention as varlen_ops
 

@@ -62,8 +62,8 @@ from qwen_npu_compile.fusion.family import (
     PatternVariant,
     graph_needs_autograd,
     meta_val,
-    node_source,
 )
+from qwen_npu_compile.graph.utils import node_source
 from qwen_npu_compile.ops.qwen_npu import grouped_matmul as gmm
 from qwen_npu_compile.ops.torch_npu.grouped_matmul import GROUP_LIST_DTYPE, grouped_matmul_violation
 from qwen_npu_compile.ops.torch_npu.swiglu import swiglu_violation

@@ -107,9 +107,9 @@ from qwen_npu_compile.fusion.family import (
     FusionFamily,
     graph_needs_autograd,
     meta_val,
-    node_source,
     per_dtype_family,
 )
+from qwen_npu_compile.graph.utils import node_source
 from qwen_npu_compile.ops.torch_npu.add_rms_norm import add_rms_norm_violation
 from qwen_npu_compile.ops.torch_npu.rms_norm import rms_norm_violation
 from qwen_npu_compile.ops.scalars import scalar_argument

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from qwen_npu_compile.fusion.family import FamilyPass, FusionFamily, count_applied, meta_val, node_source
+from qwen_npu_compile.fusion.family import FamilyPass, FusionFamily, count_applied, meta_val
+from qwen_npu_compile.graph.utils import node_source
 from qwen_npu_compile.ops.qwen_npu import varlen_attention
 from qwen_npu_compile.ops.limits import bound_arguments
 

@@ -36,7 +36,8 @@ import weakref
 import torch
 import torch.fx
 
-from qwen_npu_compile.fusion.family import meta_val, node_source, region_operands, view_key
+from qwen_npu_compile.fusion.family import meta_val, region_operands, view_key
+from qwen_npu_compile.graph.utils import node_source
 from qwen_npu_compile.graph.utils import ancestors, share_first
 from qwen_npu_compile.ops.scalars import constant_tensor_value
 

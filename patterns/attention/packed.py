@@ -54,7 +54,8 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from qwen_npu_compile.compat import guard_or_false
-from qwen_npu_compile.fusion.family import meta_val, node_source, region_operands, view_key
+from qwen_npu_compile.fusion.family import meta_val, region_operands, view_key
+from qwen_npu_compile.graph.utils import node_source
 from qwen_npu_compile.graph.utils import ancestors
 
 from .masks import _FULL_FACTORIES, _WHERE_OPS, _constant, _masks_exactly, _mutated_from_outside

@@ -48,8 +48,8 @@ from __future__ import annotations
 import torch
 
 from qwen_npu_compile.fusion.family import FamilyPass, FusionFamily, count_applied
-from qwen_npu_compile.substitutions import deltanet
 from qwen_npu_compile.ops.qwen_npu import gated_delta_rule
+from qwen_npu_compile.substitutions import deltanet
 
 from . import gated_delta_rule_packed
 

@@ -59,8 +59,8 @@ from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
 
 from qwen_npu_compile.fusion.family import meta_val
 from qwen_npu_compile.graph.utils import node_source
-from qwen_npu_compile.substitutions import deltanet
 from qwen_npu_compile.ops.qwen_npu import varlen_attention as varlen_ops
+from qwen_npu_compile.substitutions import deltanet
 
 from .attention.packed import RULE, PackedMask, _equal, packed_mask
 

@@ -110,9 +110,9 @@ from qwen_npu_compile.fusion.family import (
     per_dtype_family,
 )
 from qwen_npu_compile.graph.utils import node_source
+from qwen_npu_compile.ops.scalars import scalar_argument
 from qwen_npu_compile.ops.torch_npu.add_rms_norm import add_rms_norm_violation
 from qwen_npu_compile.ops.torch_npu.rms_norm import rms_norm_violation
-from qwen_npu_compile.ops.scalars import scalar_argument
 
 aten = torch.ops.aten
 log = logging.getLogger(__name__)

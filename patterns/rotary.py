@@ -117,7 +117,6 @@ Other downstreams and inference graphs always get ``npu_rotary_mul``.
 
 from __future__ import annotations
 
-
 import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true

@@ -24,16 +24,16 @@ from collections.abc import Sequence
 import torch
 import torch.fx
 
-from qwen_npu_compile.graph import canonicalize, emit
-from qwen_npu_compile import compat, dump
-from .config import ENV_FUSIONS, QwenNpuConfig, QwenNpuConfigError
-from qwen_npu_compile.fusion.manager import FusionPasses, FusionPassError, count_fused_in_captured, fuse
+from qwen_npu_compile import compat, dump, substitutions
 from qwen_npu_compile.fusion.family import CompileTarget
+from qwen_npu_compile.fusion.manager import FusionPassError, FusionPasses, count_fused_in_captured, fuse
+from qwen_npu_compile.graph import canonicalize, emit
 from qwen_npu_compile.handoff import hand_off
 from qwen_npu_compile.handoff.torchair import check_offline_mode
-from qwen_npu_compile import substitutions
-from qwen_npu_compile.substitutions import deltanet
 from qwen_npu_compile.ops import NpuOpsStatus, ensure_npu_ops
+from qwen_npu_compile.substitutions import deltanet
+
+from .config import ENV_FUSIONS, QwenNpuConfig, QwenNpuConfigError
 from .report import SUMMARY, FusionError, GraphReport, new_graph_name
 
 log = logging.getLogger("qwen_npu_compile")

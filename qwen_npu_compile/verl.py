@@ -70,11 +70,10 @@ from pathlib import Path
 
 from torch import nn
 
-from qwen_npu_compile.integrations import torch_compiler
-from qwen_npu_compile.integrations import verl_npu_patch
-from qwen_npu_compile.layers import clean_name, find_decoder_layers
 from qwen_npu_compile.config import ENV_COMPILE
+from qwen_npu_compile.integrations import torch_compiler, verl_npu_patch
 from qwen_npu_compile.integrations.fsdp1 import FIX as FSDP1_FIX
+from qwen_npu_compile.layers import clean_name, find_decoder_layers
 from qwen_npu_compile.worker import compile_requested, maybe_compile
 
 log = logging.getLogger("qwen_npu_compile")

@@ -58,10 +58,10 @@ import torch
 from torch import nn
 
 from qwen_npu_compile import compat, substitutions
-from qwen_npu_compile.integrations import fsdp1, torch_compiler
 from qwen_npu_compile.config import ENV_COMPILE, QwenNpuConfig, parse_bool
-from qwen_npu_compile.report import SUMMARY, GraphReport
+from qwen_npu_compile.integrations import fsdp1, torch_compiler
 from qwen_npu_compile.layers import clean_name, find_decoder_layers
+from qwen_npu_compile.report import SUMMARY, GraphReport
 from qwen_npu_compile.substitutions.varlen_attention import packed_layer_call
 
 log = logging.getLogger("qwen_npu_compile")

@@ -19,8 +19,8 @@ import torch.fx
 
 from qwen_npu_compile.fusion.family import FamilyPass, FusionFamily, count_applied, meta_val
 from qwen_npu_compile.graph.utils import node_source
-from qwen_npu_compile.ops.qwen_npu import varlen_attention
 from qwen_npu_compile.ops.limits import bound_arguments
+from qwen_npu_compile.ops.qwen_npu import varlen_attention
 
 from . import varlen
 from .dense import _variant

@@ -37,8 +37,7 @@ import torch
 import torch.fx
 
 from qwen_npu_compile.fusion.family import meta_val, region_operands, view_key
-from qwen_npu_compile.graph.utils import node_source
-from qwen_npu_compile.graph.utils import ancestors, share_first
+from qwen_npu_compile.graph.utils import ancestors, node_source, share_first
 from qwen_npu_compile.ops.scalars import constant_tensor_value
 
 aten = torch.ops.aten

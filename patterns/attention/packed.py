@@ -55,8 +55,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from qwen_npu_compile.compat import guard_or_false
 from qwen_npu_compile.fusion.family import meta_val, region_operands, view_key
-from qwen_npu_compile.graph.utils import node_source
-from qwen_npu_compile.graph.utils import ancestors
+from qwen_npu_compile.graph.utils import ancestors, node_source
 
 from .masks import _FULL_FACTORIES, _WHERE_OPS, _constant, _masks_exactly, _mutated_from_outside
 

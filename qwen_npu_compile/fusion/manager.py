@@ -25,8 +25,6 @@ from collections import Counter
 import torch._dynamo.exc
 import torch.fx
 
-from qwen_npu_compile.graph import canonicalize
-from qwen_npu_compile.graph.utils import checkpoint_operands
 from qwen_npu_compile.config import ALL_FAMILIES, QwenNpuConfig
 from qwen_npu_compile.fusion.family import (
     CompileTarget,
@@ -36,6 +34,8 @@ from qwen_npu_compile.fusion.family import (
     counting_matches,
     targeting,
 )
+from qwen_npu_compile.graph import canonicalize
+from qwen_npu_compile.graph.utils import checkpoint_operands
 
 
 @dataclasses.dataclass

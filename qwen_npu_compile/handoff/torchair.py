@@ -48,8 +48,8 @@ def torchair_backend(report: GraphReport, config: QwenNpuConfig):
         TorchairUnavailableError: off-NPU without an obtainable wheel.
         ValueError: ``torchair_mode="reduce-overhead"`` off-NPU (ACL graph capture needs an NPU).
     """
-    from qwen_npu_compile.torchair.converters import register_converters
     from qwen_npu_compile.ops import ensure_npu_ops
+    from qwen_npu_compile.torchair.converters import register_converters
 
     status = ensure_npu_ops()
     offline = None

@@ -34,8 +34,9 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from ..config import ENV_FUSIONS, parse_fusions
 from qwen_npu_compile.worker import compile_requested
+
+from ..config import ENV_FUSIONS, parse_fusions
 
 log = logging.getLogger("qwen_npu_compile")
 

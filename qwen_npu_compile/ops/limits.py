@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 import torch.fx
 
-from qwen_npu_compile.ops.torch_npu import add_rms_norm, fusion_attention, grouped_matmul, rms_norm, rotary_mul, swiglu
 from qwen_npu_compile.ops.qwen_npu import gate_up_proj, varlen_attention
+from qwen_npu_compile.ops.torch_npu import add_rms_norm, fusion_attention, grouped_matmul, rms_norm, rotary_mul, swiglu
 
 
 def _rotary(backward: bool):

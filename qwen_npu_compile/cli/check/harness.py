@@ -14,13 +14,13 @@ import time
 
 import torch
 
-from qwen_npu_compile.config import ALL_FAMILIES, QwenNpuConfig
-from qwen_npu_compile.substitutions import deltanet
 from qwen_npu_compile import patterns
-from qwen_npu_compile.patterns import expected_fusions  # noqa: F401  (the harness's public name)
-from qwen_npu_compile.integrations.torch_compiler import torch_compile
 from qwen_npu_compile.cli.check import model_folder, models, parity
 from qwen_npu_compile.cli.check.device import check_device, describe_device, device_memory_bytes
+from qwen_npu_compile.config import ALL_FAMILIES, QwenNpuConfig
+from qwen_npu_compile.integrations.torch_compiler import torch_compile
+from qwen_npu_compile.patterns import expected_fusions  # noqa: F401  (the harness's public name)
+from qwen_npu_compile.substitutions import deltanet
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

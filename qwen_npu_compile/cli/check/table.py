@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+
 def print_table(result: dict) -> None:
     """Print the human-readable summary of :func:`~qwen_npu_compile.cli.check.harness.run_check`'s result."""
     kind = "simulated" if result["simulated"] else "real"

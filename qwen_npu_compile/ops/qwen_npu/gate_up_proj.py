@@ -35,8 +35,8 @@ import math
 import torch
 
 from qwen_npu_compile.compat import guard_or_false
-from qwen_npu_compile.ops.define import define_op
 from qwen_npu_compile.ops import ge as ge_api
+from qwen_npu_compile.ops.define import define_op
 
 NAMESPACE = "qwen_npu"
 SCHEMA = "gate_up_proj(Tensor x, Tensor w_gate, Tensor w_up) -> Tensor"

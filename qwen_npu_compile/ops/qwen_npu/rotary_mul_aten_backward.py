@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from qwen_npu_compile.ops.qwen_npu import rotary_mul_orthogonal
 from qwen_npu_compile.ops import ge
+from qwen_npu_compile.ops.qwen_npu import rotary_mul_orthogonal
 
 #: The op's qualified name.
 NAME = "qwen_npu::rotary_mul_aten_backward"

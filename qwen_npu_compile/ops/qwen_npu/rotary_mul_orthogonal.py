@@ -23,6 +23,7 @@ or the stand-in), so every limit is that op's.
 from __future__ import annotations
 
 import torch
+
 from qwen_npu_compile.ops import ge
 
 #: The op's qualified name.

@@ -60,8 +60,6 @@ from __future__ import annotations
 
 import torch
 
-from qwen_npu_compile.ops.torch_npu import attention_blockwise as blockwise
-from qwen_npu_compile.ops.torch_npu import fusion_attention_tnd as tnd
 from qwen_npu_compile.ops.attention_contract import (
     COMPRESSED_MASK_MODES,
     COMPRESSED_MASK_SIZE,
@@ -78,17 +76,18 @@ from qwen_npu_compile.ops.attention_contract import (
     SUPPORTED_INNER_PRECISE,
     SUPPORTED_SPARSE_MODES,
     _cpu_compressed_causal_mask,
-    compressed_mask_shift,
     _holds,
     _mask_shape_violation,
     _probabilities,
     compressed_causal_mask,
+    compressed_mask_shift,
     fusion_attention_violation,
     probability_grads,
     weighted_values,
 )
 from qwen_npu_compile.ops.define import define_op
-
+from qwen_npu_compile.ops.torch_npu import attention_blockwise as blockwise
+from qwen_npu_compile.ops.torch_npu import fusion_attention_tnd as tnd
 
 #: Layouts simulated here by the dense path; TND (varlen) goes to :mod:`.fusion_attention_tnd`.
 SUPPORTED_LAYOUTS = ("BNSD", "BSND", "BSH", "SBH")

@@ -15,9 +15,9 @@ import dataclasses
 import importlib
 import importlib.machinery
 import importlib.util
+import logging
 import signal
 import sys
-import logging
 import threading
 import time
 import types

@@ -12,6 +12,6 @@ test:
 bench:
 	$(PYTHON) -m benchmarks.run --out $(BENCH_OUT)
 
-# Tiny shapes, one repeat: a smoke run in seconds (what tests/e2e/test_benchmarks.py checks).
+# Tiny shapes, one repeat: a smoke run in seconds (what tests/benchmarks/test_benchmarks.py checks).
 bench-quick:
 	$(PYTHON) -m benchmarks.run --quick --out $(BENCH_QUICK_OUT)

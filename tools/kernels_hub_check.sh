@@ -9,7 +9,7 @@
 #    huggingface-hub 2.x), pytest + pytest-xdist, accelerate and protobuf (requirements.txt's pins), and this
 #    project (--no-deps, editable: the qwen_npu backend is registered by entry point);
 # 3. runs the test files whose code paths depend on how transformers binds the delta rule and the conv
-#    (tests/e2e/test_deltanet_bindings.py, test_deltanet_whole_model.py, test_deltanet_packed.py,
+#    (tests/substitutions/test_deltanet_bindings.py, test_deltanet_whole_model.py, test_deltanet_packed.py,
 #    test_hybrid_models.py, test_cli.py) in two processes, then the simulated Ascend host's Gated DeltaNet test
 #    (FLA bound by the inputs' device, npu) in a process of its own;
 # 4. prints how long the install and each test run took.
@@ -31,7 +31,7 @@ trap cleanup EXIT
 
 pin() { grep "^$1==" "$repo/requirements.txt"; }
 "$python" -m venv "$tmp/venv"
-export PATH="$tmp/venv/bin:$PATH"  # the console script, as an activated venv has it (tests/e2e/test_cli.py)
+export PATH="$tmp/venv/bin:$PATH"  # the console script, as an activated venv has it (tests/cli/test_cli.py)
 pip=("$tmp/venv/bin/python" -m pip --disable-pip-version-check)
 "${pip[@]}" install -q "$(pin torch)" transformers==5.25.0 "$(pin pytest)" "$(pin pytest-xdist)" "$(pin accelerate)" \
     "$(pin protobuf)"
@@ -44,8 +44,8 @@ echo "kernels_hub_check: install took $(( installed - start ))s"
 
 set +e
 (cd "$repo" && "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile \
-    tests/e2e/test_deltanet_bindings.py tests/e2e/test_deltanet_whole_model.py tests/e2e/test_deltanet_packed.py \
-    tests/e2e/test_hybrid_models.py tests/e2e/test_cli.py)
+    tests/substitutions/test_deltanet_bindings.py tests/substitutions/test_deltanet_whole_model.py tests/substitutions/test_deltanet_packed.py \
+    tests/e2e/test_hybrid_models.py tests/cli/test_cli.py)
 status=$?
 tested=$(date +%s)
 echo "kernels_hub_check: tests took $(( tested - installed ))s (pytest exit $status)"

@@ -208,7 +208,7 @@ def _cases(junit: Path) -> list[dict]:
 
 def _junit_key(nodeid: str) -> tuple[str, str]:
     """``(classname, name)`` that an xunit1 junit file gives the test ``nodeid``
-    (``tests/e2e/test_x.py::TestA::test_b[p]`` → ``("tests.e2e.test_x.TestA", "test_b[p]")``)."""
+    (``tests/e2e/test_stack_compat.py::TestA::test_b[p]`` → ``("tests.e2e.test_stack_compat.TestA", "test_b[p]")``)."""
     parts = nodeid.split("::")
     module = parts[0].removesuffix(".py").replace("/", ".")
     return ".".join([module, *parts[1:-1]]), parts[-1]

@@ -27,25 +27,3 @@ def npu():
     """``torch.device("npu", 0)`` on the simulated host."""
     assert sim.is_simulated_host()
     return sim.device()
-
-
-def _root_helpers():
-    """The plain helpers of ``tests/conftest.py`` (tiny models, parity assertions), for ``from conftest import ...``
-    in these tests: pytest's ``conftest`` module here is this file, so they are re-exported from a private copy."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_qwen_npu_root_conftest", sim.REPO / "tests" / "conftest.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_root = _root_helpers()
-assert_runs_match = _root.assert_runs_match
-eager_and_reference = _root.eager_and_reference
-count_calls = _root.count_calls
-call_targets = _root.call_targets
-tiny_moe = _root.tiny_moe
-tiny_hybrid = _root.tiny_hybrid
-HYBRID_FAMILIES = _root.HYBRID_FAMILIES
-del _root

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import sim
-from conftest import assert_runs_match, tiny_moe
+from tests.helpers.models import tiny_moe
+from tests.helpers.numerics import assert_runs_match
 from qwen_npu_compile import get_reports, maybe_compile
 from qwen_npu_compile.cli.check.harness import fp32_reference, run_model
 from qwen_npu_compile.cli.check.models import tiny_qwen2

@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from conftest import tiny_hybrid, tiny_moe
+from tests.helpers.models import tiny_hybrid, tiny_moe
 from qwen_npu_compile.cli.check.harness import run_model
 from qwen_npu_compile.cli.check.models import tiny_qwen2
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_hybrid
+from tests.helpers.models import tiny_hybrid
 from qwen_npu_compile import maybe_compile
 from qwen_npu_compile.cli.check.models import tiny_qwen2
 from qwen_npu_compile.worker import layer_reports

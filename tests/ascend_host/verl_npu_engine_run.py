@@ -1,6 +1,6 @@
 """verl 0.9.1's FSDP engine on the simulated Ascend host, taking its own NPU branches (issue 36).
 
-Run by test_verl_npu_patch.py in a fresh interpreter (``VERL_USE_EXTERNAL_MODULES`` is read by ``import verl``;
+Run by test_verl_npu_patch_on_npu.py in a fresh interpreter (``VERL_USE_EXTERNAL_MODULES`` is read by ``import verl``;
 verl's npu_patch patches transformers for the whole process)::
 
     PYTHONPATH=tests/ascend_host/stand_in:. VERL_USE_EXTERNAL_MODULES=qwen_npu_compile.verl [QWEN_NPU_COMPILE=1] \\
@@ -14,7 +14,7 @@ stand-in's ``torch_npu`` functions). The process group is verl's own ``initializ
 ``hccl``; gloo takes CPU and CUDA tensors only). Per model (tiny Qwen2, Qwen3-MoE, Qwen3.5 saved with
 ``save_pretrained``; verl's default ``flash_attention_2``, which transformers resolves to its NPU functions by
 itself here) and per input kind (``packed``: ``use_remove_padding``, verl's default; ``padded``), verl's whole
-engine (as tests/e2e/verl_engine_run.py drives it on a CPU):
+engine (as tests/drivers/verl_engine_run.py drives it on a CPU):
 
 1. ``engine.initialize()`` -- verl's model build, our hook's compile in ``_build_fsdp_module``, FSDP2's
    ``fully_shard`` (moving the CPU-built parameters to ``npu`` with ``param.data = ...``: the stand-in allows it
@@ -55,7 +55,7 @@ for _owner, _name in ((torch_npu.npu, "mstx"), (torch_npu, "profiler")):
 import verl  # noqa: E402  (imports VERL_USE_EXTERNAL_MODULES)
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE.parent / "e2e")]
+sys.path.insert(0, str(HERE.parents[1]))  # the repository root: tests.helpers
 LENGTHS = (13, 29, 6, 16)
 
 
@@ -69,7 +69,7 @@ class Lines(logging.Handler):
 
 
 def save(family: str, folder: str) -> None:
-    from conftest import tiny_hybrid, tiny_moe
+    from tests.helpers.models import tiny_hybrid, tiny_moe
 
     from qwen_npu_compile.cli.check.models import tiny_qwen2
 
@@ -85,7 +85,7 @@ def save(family: str, folder: str) -> None:
 
 def batch(kind: str):
     """The step's sequences as verl's trainer hands them to the engine (nested, no padding) + its meta info, as
-    tests/e2e/verl_engine_run.py: ``packed`` = ``use_remove_padding`` (verl packs each micro-batch into one
+    tests/drivers/verl_engine_run.py: ``packed`` = ``use_remove_padding`` (verl packs each micro-batch into one
     ``(1, T)`` row, positions restarting per sequence), ``padded`` = verl pads each micro-batch (a mask)."""
     from verl.utils import tensordict_utils as tu
 

@@ -17,13 +17,13 @@ import pytest
 import torch
 import transformers
 
-from conftest import assert_runs_match, tiny_hybrid
+from tests.helpers.models import tiny_hybrid, token_ids
+from tests.helpers.numerics import assert_runs_match
 from qwen_npu_compile import maybe_compile
 from qwen_npu_compile.cli.check.harness import fp32_reference, run_model
 from qwen_npu_compile.patterns import FAMILIES, expected_fusions
 from qwen_npu_compile.report import SUMMARY
 from qwen_npu_compile.worker import ENV_COMPILE
-
 
 
 def _softplus_backward_differs() -> bool:
@@ -51,10 +51,6 @@ def _release(version: str) -> tuple[int, int]:
 _MOE_SPLIT = _release(transformers.__version__) < (5, 24)
 
 
-def _ids(seed: int = 1, batch: int = 2, seq: int = 24):
-    return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(seed))
-
-
 def _backward_ops(fusions: dict[str, int]) -> Counter:
     want: Counter = Counter()
     for family, count in fusions.items():
@@ -80,7 +76,7 @@ def test_whole_model_bf16_training_step_fused_with_parity(npu_ops, family):
                     "eager keeps fp32's pick by luck), which the whole-logits bound reads as a parity failure; "
                     "5.24 compiles it to one graph")
     model = tiny_hybrid(family, torch.bfloat16).train()
-    ids = _ids()
+    ids = token_ids(256, seq=24)
     eager = run_model(model, model, ids, True)
     reference = fp32_reference(model, ids, True)
     compiled = torch.compile(model, backend="qwen_npu", options={"strict": True})
@@ -108,7 +104,7 @@ def test_traced_delta_rule_with_the_family_off_pins_the_softplus_gradient(npu_op
     deltanet.install(enabled=False)
     try:
         model = tiny_hybrid("qwen3_5", torch.bfloat16).train()
-        ids = _ids()
+        ids = token_ids(256, seq=24)
         eager = run_model(model, model, ids, True)
         compiled = torch.compile(model, backend="qwen_npu", options={"strict": True, "fusions": families})
         assert_runs_match(run_model(model, compiled, ids, True), eager, fp32_reference(model, ids, True))
@@ -122,7 +118,7 @@ def test_traced_delta_rule_with_the_family_off_pins_the_softplus_gradient(npu_op
 
 def test_whole_model_fp32_training_step_fused_with_parity(npu_ops):
     model = tiny_hybrid("qwen3_5", torch.float32).train()
-    ids = _ids(2)
+    ids = token_ids(256, seq=24, seed=2)
     eager = run_model(model, model, ids, True)
     compiled = torch.compile(model, backend="qwen_npu", options={"strict": True})
     assert_runs_match(run_model(model, compiled, ids, True), eager)
@@ -139,7 +135,7 @@ def test_per_layer_with_gradient_checkpointing(monkeypatch, npu_ops, family):
     for m in (model, reference):
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     layers = maybe_compile(model, {"strict": True})
-    ids = _ids(3)
+    ids = token_ids(256, seq=24, seed=3)
     compiled = run_model(model, model, ids, True)
     assert_runs_match(compiled, run_model(reference, reference, ids, True), fp32_reference(reference, ids, True))
     kinds = model.config.layer_types
@@ -154,11 +150,10 @@ def test_per_layer_with_gradient_checkpointing(monkeypatch, npu_ops, family):
 GE_SCRIPT = """
 import json, os, sys
 import torch
-sys.path[:0] = sys.argv[2:]
 from qwen_npu_compile import ensure_npu_ops, get_reports, maybe_compile
 from qwen_npu_compile.cli.check.harness import run_model
 ensure_npu_ops()
-from conftest import tiny_hybrid
+from tests.helpers.models import tiny_hybrid
 os.environ["QWEN_NPU_COMPILE"] = "1"
 model = tiny_hybrid("qwen3_5", torch.bfloat16).train()
 maybe_compile(model, {"downstream": "torchair"})
@@ -175,9 +170,9 @@ def test_torchair_converts_the_full_attention_layer_and_names_the_deltanet_ops(s
     FlashAttentionScore 1); the Gated DeltaNet layer's fused ops convert (RmsNorm 3 = 2 + the gated norm's,
     SwiGlu 2 = MLP + gated norm) and exactly its softplus (fw/bw) and the delta rule op (fw/bw) have no
     converter in torchair (on an NPU that AOT graph runs through AOTAutograd, one warning per graph)."""
-    from conftest import run_ge_script
+    from tests.helpers.torchair import run_ge_script
 
-    (reports,) = run_ge_script(GE_SCRIPT, tmp_path, "e2e")
+    (reports,) = run_ge_script(GE_SCRIPT, tmp_path)
     assert len(reports) == 2, [r["fusions"] for r in reports]  # one graph per layer kind, shared by its layers
     by_kind = {("full" if r["fusions"]["attention"] else "linear"): r for r in reports}
     full, linear = by_kind["full"], by_kind["linear"]
@@ -227,7 +222,7 @@ def _packings(count: int, seed: int = 3) -> list[list[int]]:
 def test_whole_model_packed_steps_compile_at_most_two_graphs(npu_ops, attn):
     """(flash_attention_2 packed rows in a whole-model graph are transformers' own path, which derives the offsets
     with ``.item()``/``.tolist()`` in every layer: 49 graphs over these 10 packings, as for a dense model; packed
-    flash attention is taken over under maybe_compile, verl's path, tests/e2e/test_verl_qwen3_5.py.)
+    flash attention is taken over under maybe_compile, verl's path, tests/integrations/test_verl_qwen3_5.py.)
 
     A whole Qwen3.5 model over 10 packed rows (position ids restarting per sequence, no mask), a new T and a
     new number of sequences nearly every step: at most 2 graphs (the first shape, then a dynamic one), each with

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import assert_parity
+from tests.helpers.numerics import assert_parity
 from qwen_npu_compile.cli.check import models
 from qwen_npu_compile import ALL_FAMILIES
 from qwen_npu_compile.patterns import expected_fusions

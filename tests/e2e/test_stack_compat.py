@@ -37,7 +37,7 @@ import logging
 import pytest
 import torch
 
-from conftest import assert_runs_match, eager_and_reference
+from tests.helpers.numerics import assert_runs_match, eager_and_reference
 from qwen_npu_compile import ALL_FAMILIES, compat, maybe_compile
 from qwen_npu_compile.graph import canonicalize
 from qwen_npu_compile.cli.check.harness import run_model

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from conftest import aot_traced, call_targets as targets
+from tests.helpers.graphs import aot_traced, call_targets as targets
 from qwen_npu_compile.ops.torch_npu import fusion_attention
 
 

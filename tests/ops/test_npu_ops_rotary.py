@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from conftest import aot_traced, call_targets as targets
+from tests.helpers.graphs import aot_traced, call_targets as targets
 from qwen_npu_compile.ops.torch_npu import rotary_mul
 
 

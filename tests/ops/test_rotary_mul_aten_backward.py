@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import aot_traced, call_targets as targets
+from tests.helpers.graphs import aot_traced, call_targets as targets
 from qwen_npu_compile.ops.qwen_npu import rotary_mul_aten_backward
 
 OP = rotary_mul_aten_backward.OP

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from conftest import aot_traced, call_targets
+from tests.helpers.graphs import aot_traced, call_targets
 from qwen_npu_compile.ops import limits
 from qwen_npu_compile.ops.qwen_npu import varlen_attention as va
-from qwen_npu_compile.ops.torch_npu.fusion_attention import compressed_causal_mask
+from qwen_npu_compile.ops.attention_contract import compressed_causal_mask
 
 pytestmark = pytest.mark.usefixtures("simulated_npu_ops")
 

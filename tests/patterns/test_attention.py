@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from conftest import assert_parity
+from tests.helpers.numerics import assert_parity
 from qwen_npu_compile.cli.check.models import tiny_qwen2
 from qwen_npu_compile.cli.check.parity import FP32_TOLERANCE, relative_l2
 from qwen_npu_compile import backend, get_reports

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 
-from conftest import assert_parity
+from tests.helpers.models import token_ids
+from tests.helpers.numerics import assert_parity
 from qwen_npu_compile.cli.check.models import tiny_qwen2
 from qwen_npu_compile.patterns.attention import masks as attention_mask
 
@@ -41,15 +42,11 @@ def _square_nodes(gm, seq=SEQ) -> list[str]:
     return [node.name for node in gm.graph.nodes if square(node.meta.get("val"))]
 
 
-def _ids():
-    return torch.randint(0, 128, (BATCH, SEQ))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_training_without_mask_uses_sparse_mode_and_no_square_tensor(npu_ops, rewritten, attn, dtype):
     model = tiny_qwen2(dtype, attn=attn, **GQA64).train()
-    reports = assert_parity(model, _ids(), True, dtype, options=OPTIONS)
+    reports = assert_parity(model, token_ids(batch=BATCH, seq=SEQ), True, dtype, options=OPTIONS)
     assert [r.fusions["attention"] for r in reports] == [LAYERS]
     assert [r for r in reports[0].refused if r.family == "attention"] == []
     assert reports[0].aot_ops["backward"].get("npu_fusion_attention_grad") == LAYERS
@@ -69,7 +66,7 @@ def test_checkpointed_layers_prove_the_mask_their_caller_builds(npu_ops, rewritt
 
     model = tiny_qwen2(torch.float32, attn=attn, **GQA64).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    reports = assert_parity(model, _ids(), True, torch.float32, options=OPTIONS)
+    reports = assert_parity(model, token_ids(batch=BATCH, seq=SEQ), True, torch.float32, options=OPTIONS)
     assert [r.fusions["attention"] for r in reports] == [LAYERS]
     (gm,) = rewritten
     bodies = checkpoint_bodies(gm)
@@ -91,7 +88,7 @@ def test_row_blocks_prove_a_large_mask(npu_ops, rewritten, monkeypatch):
     monkeypatch.setattr(attention_mask, "EVAL_BLOCK_ELEMENTS", 3 * SEQ)
     monkeypatch.setattr(attention_mask._RowBlocks, "blocks", spy)
     model = tiny_qwen2(torch.float32, **GQA64).train()
-    assert_parity(model, _ids(), True, torch.float32, options=OPTIONS)
+    assert_parity(model, token_ids(batch=BATCH, seq=SEQ), True, torch.float32, options=OPTIONS)
     (gm,) = rewritten
     assert _attention_calls(gm) == [CAUSAL] * LAYERS
     assert blocks == [(row, row + 1) for row in range(SEQ)]  # a row of [2, 1, 24, 24] is 48 elements of 72
@@ -101,7 +98,7 @@ def test_padding_mask_keeps_the_explicit_mask(npu_ops, rewritten):
     model = tiny_qwen2(torch.float32, **GQA64).train()
     padding = torch.ones(BATCH, SEQ, dtype=torch.long)
     padding[0, :5] = 0
-    assert_parity(model, _ids(), True, torch.float32, options=OPTIONS, attention_mask=padding)
+    assert_parity(model, token_ids(batch=BATCH, seq=SEQ), True, torch.float32, options=OPTIONS, attention_mask=padding)
     (gm,) = rewritten
     assert _attention_calls(gm) == [EXPLICIT] * LAYERS
 
@@ -111,14 +108,14 @@ def test_packed_position_ids_keep_the_block_diagonal_mask(npu_ops, rewritten, at
     """User-passed position ids (packed sequences 10 + 14, and 24) make the mask data-dependent."""
     model = tiny_qwen2(torch.float32, attn=attn, **GQA64).train()
     positions = torch.stack([torch.cat([torch.arange(10), torch.arange(14)]), torch.arange(SEQ)])
-    assert_parity(model, _ids(), True, torch.float32, options=OPTIONS, position_ids=positions)
+    assert_parity(model, token_ids(batch=BATCH, seq=SEQ), True, torch.float32, options=OPTIONS, position_ids=positions)
     (gm,) = rewritten
     assert _attention_calls(gm) == [EXPLICIT] * LAYERS
 
 
 def test_symbolic_length_keeps_the_explicit_mask(npu_ops, rewritten):
     model = tiny_qwen2(torch.float32, **GQA64).train()
-    reports = assert_parity(model, _ids(), True, torch.float32, options=OPTIONS, dynamic=True)
+    reports = assert_parity(model, token_ids(batch=BATCH, seq=SEQ), True, torch.float32, options=OPTIONS, dynamic=True)
     assert [r.fusions["attention"] for r in reports] == [LAYERS]
     calls = [call for gm in rewritten for call in _attention_calls(gm)]  # the backend may retrace once
     assert calls and {mode for mode, _ in calls} == {0} and all(len(shape) == 4 for _, shape in calls)
@@ -132,7 +129,7 @@ def test_constant_sliding_window_mask_is_not_causal(npu_ops, rewritten, monkeypa
         monkeypatch.setattr(attention_mask, "EVAL_BLOCK_ELEMENTS", 4 * SEQ)
     model = tiny_qwen2(torch.float32, use_sliding_window=True, sliding_window=4, max_window_layers=0, **GQA64)
     assert {"sliding_attention"} == set(getattr(model.config, "layer_types", None) or ["sliding_attention"])
-    assert_parity(model.train(), _ids(), True, torch.float32, options=OPTIONS)
+    assert_parity(model.train(), token_ids(batch=BATCH, seq=SEQ), True, torch.float32, options=OPTIONS)
     (gm,) = rewritten
     assert _attention_calls(gm) == [EXPLICIT] * LAYERS
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import assert_parity
+from tests.helpers.numerics import assert_parity
 from qwen_npu_compile.cli.check.models import tiny_qwen2
 from qwen_npu_compile.ops.limits import bound_arguments
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import assert_parity
+from tests.helpers.numerics import assert_parity
 from qwen_npu_compile import handoff
 from qwen_npu_compile.handoff import fallback
 from qwen_npu_compile.cli.check.models import tiny_qwen2, tiny_qwen2_config

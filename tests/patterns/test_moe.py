@@ -14,15 +14,13 @@ import pytest
 import torch
 import transformers
 
-from conftest import assert_parity, run_ge_script, tiny_moe
+from tests.helpers.models import tiny_moe, token_ids
+from tests.helpers.numerics import assert_parity
+from tests.helpers.torchair import run_ge_script
 from qwen_npu_compile.ops.qwen_npu import grouped_matmul as gmm
 from qwen_npu_compile.patterns import expected_fusions
 
 LAYERS = 2
-
-
-def _ids():
-    return torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
 
 
 #: (family, dtype): Qwen3-MoE in bf16 (aten._grouped_mm) and Qwen2-MoE in fp32 (transformers::grouped_mm_fallback,
@@ -33,7 +31,7 @@ CASES = [("qwen3_moe", torch.bfloat16), ("qwen2_moe", torch.float32)]
 @pytest.mark.parametrize(("family", "dtype"), CASES)
 def test_experts_fuse_into_grouped_matmul_with_parity_and_strict(family, dtype, tmp_path, rewritten):
     model = tiny_moe(family, dtype)
-    reports = assert_parity(model, _ids(), True, dtype, options={"strict": True, "dump_dir": str(tmp_path)})
+    reports = assert_parity(model, token_ids(), True, dtype, options={"strict": True, "dump_dir": str(tmp_path)})
     assert len(reports) == 1
     (report,) = reports
     # no refusal, and the router softmaxes are neither attention near misses nor attention anchors
@@ -69,7 +67,7 @@ def test_loop_experts_stay_unfused_with_one_warning(caplog):
     tf5 = int(transformers.__version__.split(".")[0]) >= 5
     model = tiny_moe("qwen3_moe", torch.float32, **({"experts_implementation": "eager"} if tf5 else {}))
     with caplog.at_level(logging.WARNING, logger="qwen_npu_compile"):
-        reports = assert_parity(model, _ids(), True, torch.float32)
+        reports = assert_parity(model, token_ids(), True, torch.float32)
     warned = [r.getMessage() for r in caplog.records if "per-expert loop" in r.getMessage()]
     assert len(warned) == 1 and "experts_implementation='grouped_mm'" in warned[0], warned
     totals = {f: sum(r.fusions[f] for r in reports) for f in reports[0].fusions}
@@ -91,11 +89,10 @@ def test_loop_experts_stay_unfused_with_one_warning(caplog):
 GE_SCRIPT = """
 import json, os, sys
 import torch
-sys.path[:0] = sys.argv[2:]
 from qwen_npu_compile import ensure_npu_ops, get_reports, maybe_compile
 from qwen_npu_compile.report import SUMMARY
 ensure_npu_ops()
-from test_moe import tiny_moe, _ids
+from tests.helpers.models import tiny_moe, token_ids
 os.environ["QWEN_NPU_COMPILE"] = "1"
 cases = {}
 for family in ("qwen3_moe", "qwen2_moe"):
@@ -109,7 +106,7 @@ for family in ("qwen3_moe", "qwen2_moe"):
         else:
             maybe_compile(model, options)
             compiled = model
-        compiled(input_ids=_ids(), labels=_ids()).loss.backward()
+        compiled(input_ids=token_ids(), labels=token_ids()).loss.backward()
         cases[f"{family}-{where}"] = [dict(report.as_dict()["ge"], fusions=report.fusions) for report in get_reports()]
 print(json.dumps([cases]))
 """
@@ -119,7 +116,7 @@ print(json.dumps([cases]))
 def ge_cases(tmp_path_factory):
     """torchair's FX->GE conversion (off-NPU; skipped without the torch_npu wheel) of a bf16 training step of
     tiny Qwen3-MoE and Qwen2-MoE, whole model and per decoder layer (maybe_compile), in one fresh interpreter."""
-    (cases,) = run_ge_script(GE_SCRIPT, tmp_path_factory.mktemp("moe_ge"), "patterns")
+    (cases,) = run_ge_script(GE_SCRIPT, tmp_path_factory.mktemp("moe_ge"))
     return cases
 
 

@@ -19,7 +19,8 @@ import transformers
 pytest.importorskip("transformers.models.qwen3_5", reason="Qwen3.5 needs transformers >= 5")
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from conftest import assert_parity, count_calls
+from tests.helpers.graphs import count_calls
+from tests.helpers.numerics import assert_parity
 from qwen_npu_compile import get_reports
 from qwen_npu_compile.ops.qwen_npu import rotary_mul_aten_backward, rotary_mul_orthogonal
 from qwen_npu_compile.patterns import expected_fusions

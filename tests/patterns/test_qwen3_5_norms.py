@@ -12,7 +12,8 @@ import transformers
 pytest.importorskip("transformers.models.qwen3_5", reason="Qwen3.5 needs transformers >= 5")
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated
 
-from conftest import assert_parity
+from tests.helpers.models import token_ids
+from tests.helpers.numerics import assert_parity
 from qwen_npu_compile import get_reports
 from qwen_npu_compile.patterns import expected_fusions
 
@@ -66,10 +67,6 @@ def test_expected_counts_per_layer_kind(name):
 # --- counts and parity on the whole model ------------------------------------------------------------
 
 
-def _ids():
-    return torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
-
-
 def _norm_source_lines(model) -> set[str]:
     """``"modeling_<x>.py:<line>"`` for every line of the model's (1 + w) and gated RMSNorm classes."""
     import inspect
@@ -108,7 +105,7 @@ SETTINGS = [("qwen3_5", torch.bfloat16, True), ("qwen3_next", torch.float32, Tru
                               for n, d, t in SETTINGS])  # fmt: skip
 def test_hybrid_counts_and_parity(npu_ops, name, dtype, train):
     model = tiny(name, dtype).train(train)
-    [report] = assert_parity(model, _ids(), train, dtype, options=NORMS)
+    [report] = assert_parity(model, token_ids(seq=16), train, dtype, options=NORMS)
     _check_report(report, model, train)
     half = "half" if dtype is torch.bfloat16 else "fp32"
     assert report.variants == {f"rms_norm_gated_{half}": 1, f"rms_norm_one_plus_weight_{half}": 7}
@@ -119,7 +116,7 @@ def test_fp32_inference_merges_residual_adds(npu_ops):
     become npu_add_rms_norm, their fp32 gamma ``1 + w`` hoisted above the add."""
     model = tiny("qwen3_5", torch.float32).eval()
     with torch.no_grad():
-        [report] = assert_parity(model, _ids(), False, torch.float32, options=NORMS)
+        [report] = assert_parity(model, token_ids(seq=16), False, torch.float32, options=NORMS)
     _check_report(report, model, False)
     assert report.aot_ops["forward"] == {"npu_add_rms_norm": 4, "npu_rms_norm": 4, "npu_swiglu": 1}
 

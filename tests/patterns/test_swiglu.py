@@ -7,7 +7,7 @@ with RMSNorm: tests/patterns/test_rms_norm.py."""
 import pytest
 import torch
 
-from conftest import assert_parity, assert_runs_match, eager_and_reference
+from tests.helpers.numerics import assert_parity, assert_runs_match, eager_and_reference
 from qwen_npu_compile import get_reports
 from qwen_npu_compile.cli.check.harness import run_model
 from qwen_npu_compile.cli.check.models import tiny_qwen2

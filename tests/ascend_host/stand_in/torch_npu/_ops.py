@@ -145,20 +145,10 @@ def _fake_chunk_gated_delta_rule(query, key, value, *, beta=None, initial_state=
 
 def register_all() -> torch.library.Library:
     """Define the ``npu`` ops (every ``EMITTED_OPS`` op with its backward, verl's MoE ops, the delta rule op)."""
-    from qwen_npu_compile.ops.torch_npu import (
-        add_rms_norm,
-        fusion_attention,
-        grouped_matmul,
-        moe_token_permute,
-        rms_norm,
-        rotary_mul,
-        swiglu,
-    )
+    from qwen_npu_compile.ops import simulated
     from qwen_npu_compile.ops.define import define_op
 
-    lib = _DeviceLibrary("npu", "FRAGMENT")
-    for module in (rms_norm, add_rms_norm, swiglu, rotary_mul, fusion_attention, grouped_matmul, moe_token_permute):
-        module.register(lib)
+    lib = simulated.register(_DeviceLibrary("npu", "FRAGMENT"))
     define_op(lib, CHUNK_GATED_DELTA_RULE_SCHEMA, _chunk_gated_delta_rule, _fake_chunk_gated_delta_rule)
     define_the_rest(lib)
     return lib
@@ -171,6 +161,21 @@ def register_all() -> torch.library.Library:
 REST: dict = {}
 
 
+def _wheel_contracts():
+    """``tests.helpers.wheel_contracts``, also in a process whose ``sys.path`` lacks the repository root (a child
+    process on the simulated host gets the stand-in's folder on ``PYTHONPATH``, and ``import torch_npu`` defines
+    these ops): the root, found from this file, goes first on the path where it is missing."""
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[4])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from tests.helpers import wheel_contracts
+
+    return wheel_contracts
+
+
 def define_the_rest(lib: torch.library.Library) -> None:
     """Define every other op of torch_npu 2.13.0 (``npu_native_functions_by_codegen.yaml``, about 1400) with its
     schema and the wheel's meta kernel (``op_plugin/meta/_meta_registrations.py``), without a device kernel: on a
@@ -179,9 +184,9 @@ def define_the_rest(lib: torch.library.Library) -> None:
     simulated host does not compute it. The wheel comes from ``qwen_npu_compile.torchair.offline.wheel``."""
     import yaml
 
-    from tests.helpers.wheel_contracts import load_meta_kernels
-
     from ._wheel import sources
+
+    load_meta_kernels = _wheel_contracts().load_meta_kernels
 
     sources = sources()
     funcs: list[str] = []

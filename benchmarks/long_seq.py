@@ -135,6 +135,7 @@ def one_op(kind: str, seq_len: int, steps: int) -> dict:
     import torch.nn.functional as F
 
     import qwen_npu_compile
+    from qwen_npu_compile.ops import attention_contract
     from qwen_npu_compile.ops.torch_npu import fusion_attention as fa
     from qwen_npu_compile.ops.attention_contract import _probabilities, probability_grads, weighted_values
 
@@ -142,7 +143,7 @@ def one_op(kind: str, seq_len: int, steps: int) -> dict:
     b, n, nkv, d = (OP_SHAPE[k] for k in ("batch", "heads", "kv_heads", "head_dim"))
     gen = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(b, h, seq_len, d, generator=gen) for h in (n, nkv, nkv, n))
-    scale, mask = d**-0.5, fa.compressed_causal_mask()
+    scale, mask = d**-0.5, attention_contract.compressed_causal_mask()
 
     def call():
         if kind == "sdpa":

@@ -20,7 +20,7 @@ FX after (q, k, v all dense BSND in memory: BSH views, no copy; otherwise ``.con
     view = aten.view.default(getitem, [B, S, Nq, 64]);  out = aten.transpose.int(view, 1, 2)
 
 Shape 2 (``is_causal=True``) gets ``atten_mask = ones(2048, 2048, bool).triu(1)`` (two small nodes,
-:func:`~qwen_npu_compile.ops.torch_npu.fusion_attention.compressed_causal_mask`; 4 MiB per layer, saved for
+:func:`~qwen_npu_compile.ops.attention_contract.compressed_causal_mask`; 4 MiB per layer, saved for
 backward) with ``sparse_mode=2``; the eager chain gets ``atten_mask = mask != 0``. Inputs that are not all
 dense BSND (the KV cache's ``cat`` outputs are BNSD-contiguous) take ``'BNSD'`` and ``.contiguous()``.
 

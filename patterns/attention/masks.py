@@ -142,7 +142,7 @@ def masked_out(attn_mask: torch.Tensor) -> torch.Tensor:
     return converted.contiguous()
 
 
-#: What :func:`~qwen_npu_compile.ops.torch_npu.fusion_attention.compressed_causal_mask` leaves in the graph for
+#: What :func:`~qwen_npu_compile.ops.attention_contract.compressed_causal_mask` leaves in the graph for
 #: every causal attention: ``triu(ones(2048, 2048, bool), 1)``.
 COMPRESSED_MASK_OPS = (aten.ones.default, aten.triu.default)
 

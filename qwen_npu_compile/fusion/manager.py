@@ -35,7 +35,7 @@ from qwen_npu_compile.fusion.family import (
     targeting,
 )
 from qwen_npu_compile.graph import canonicalize
-from qwen_npu_compile.graph.utils import checkpoint_operands
+from qwen_npu_compile.graph.utils import checkpoint_operands, fusion_graphs
 
 
 @dataclasses.dataclass
@@ -113,7 +113,7 @@ class FusionPasses:
         result = FuseResult(families=list(self.enabled))
         recorder = RefusalRecorder()
         matched: Counter[str] = Counter()
-        graphs = canonicalize.fusion_graphs(gm)  # gm and its activation-checkpointed regions' bodies
+        graphs = fusion_graphs(gm)  # gm and its activation-checkpointed regions' bodies
         operands = checkpoint_operands(gm)  # what the regions' callers bind to their bodies' inputs
         with targeting(target), counting_matches(matched), binding_region_operands(operands):
             for family in self.enabled:

@@ -43,11 +43,9 @@ from qwen_npu_compile.graph.utils import (
     checkpoint_bodies,
     checkpoint_calls,
     custom_autograd_function_applies,
-    fusion_graphs,
     node_source,
     normalize,
     remove_noop_slices,
-    trace_pattern,
 )
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.fx
 
 from qwen_npu_compile.graph import canonicalize
+from qwen_npu_compile.graph.utils import fusion_graphs
 
 if TYPE_CHECKING:  # types only: the graph stage sits below fusion and the reports (tests/test_layers.py)
     from qwen_npu_compile.fusion.manager import FuseResult
@@ -33,7 +34,7 @@ def finalize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         RuntimeError: the rewritten graph is malformed (``Graph.lint``: a use before its definition, a
             dangling node); a bug of a pattern's replacement.
     """
-    for graph_module in reversed(canonicalize.fusion_graphs(gm)):  # checkpointed regions' bodies first
+    for graph_module in reversed(fusion_graphs(gm)):  # checkpointed regions' bodies first
         graph_module.graph.eliminate_dead_code()
         graph_module.graph.lint()
         graph_module.recompile()

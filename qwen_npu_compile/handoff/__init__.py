@@ -38,9 +38,9 @@ import torch.fx
 from qwen_npu_compile import compat
 from qwen_npu_compile.config import QwenNpuConfig
 from qwen_npu_compile.handoff import recompute
-from qwen_npu_compile.handoff.fallback import downstream_failed, recording_compiler
+from qwen_npu_compile.handoff.fallback import downstream_failed, falls_back, recording_compiler
 from qwen_npu_compile.handoff.torchair import drop_runtime_asserts, torchair_backend
-from qwen_npu_compile.report import FusionError, GraphReport
+from qwen_npu_compile.report import GraphReport
 
 log = logging.getLogger("qwen_npu_compile")
 
@@ -64,7 +64,7 @@ def hand_off(downstream: str, gm: torch.fx.GraphModule, example_inputs, report: 
         try:
             return backend(gm, example_inputs)
         except Exception as exc:  # noqa: BLE001 - a downstream failure must not stop training
-            if not _falls_back(exc):
+            if not falls_back(exc):
                 raise
             downstream_failed(report, config, downstream, "aot_eager", "whole", "compile", exc)
             downstream = "aot_eager"
@@ -72,17 +72,10 @@ def hand_off(downstream: str, gm: torch.fx.GraphModule, example_inputs, report: 
         try:
             return aot_eager_hand_off(gm, example_inputs, report, config)
         except Exception as exc:  # noqa: BLE001
-            if not _falls_back(exc):
+            if not falls_back(exc):
                 raise
             downstream_failed(report, config, "aot_eager", "eager", "whole", "compile", exc)
     return gm.forward
-
-
-def _falls_back(exc: BaseException) -> bool:
-    """Whether a downstream failure ``exc`` falls back (settings that cannot work and Dynamo's restarts do not)."""
-    from qwen_npu_compile.torchair.offline.wheel import TorchairUnavailableError
-
-    return not isinstance(exc, (torch._dynamo.exc.RestartAnalysis, TorchairUnavailableError, FusionError))
 
 
 def aot_eager_hand_off(gm: torch.fx.GraphModule, example_inputs, report: GraphReport, config: QwenNpuConfig):

@@ -24,6 +24,13 @@ log = logging.getLogger("qwen_npu_compile")
 FALLBACK_LOCK = threading.Lock()
 
 
+def falls_back(exc: BaseException) -> bool:
+    """Whether a downstream failure ``exc`` falls back (settings that cannot work and Dynamo's restarts do not)."""
+    from qwen_npu_compile.torchair.offline.wheel import TorchairUnavailableError
+
+    return not isinstance(exc, (torch._dynamo.exc.RestartAnalysis, TorchairUnavailableError, FusionError))
+
+
 def downstream_failed(report: GraphReport, config: QwenNpuConfig, backend: str, ran: str, graph: str, when: str,
                       exc: BaseException, node: torch.fx.Node | None = None, runs: str | None = None) -> None:
     """Record in ``report`` that ``backend`` failed on ``graph`` and ``ran`` runs it instead; one warning.

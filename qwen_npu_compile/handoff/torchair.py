@@ -21,7 +21,7 @@ import torch.fx
 from qwen_npu_compile import dump
 from qwen_npu_compile.config import QwenNpuConfig, QwenNpuConfigError
 from qwen_npu_compile.handoff import aot_layout, recompute
-from qwen_npu_compile.handoff.fallback import FALLBACK_LOCK, downstream_failed
+from qwen_npu_compile.handoff.fallback import FALLBACK_LOCK, downstream_failed, falls_back
 from qwen_npu_compile.report import GraphReport, npu_op_counts
 
 log = logging.getLogger("qwen_npu_compile")
@@ -154,7 +154,7 @@ class _TorchairGuard:
             try:
                 compiled = compiler(gm, example_inputs)
             except Exception as exc:  # noqa: BLE001 - a GE conversion failure must not stop training
-                if not _falls_back(exc):
+                if not falls_back(exc):
                     raise
                 return self.eager(gm, kind, "compile", exc)
             if self.failed:
@@ -186,7 +186,7 @@ class _TorchairGuard:
             try:
                 out = compiled(*args)
             except Exception as exc:  # noqa: BLE001
-                if not _falls_back(exc):
+                if not falls_back(exc):
                     raise
                 eager = self.eager(gm, kind, "first run", exc)
                 state.update(call=(lambda inputs: eager(*inputs)) if boxed else eager, first=False)

@@ -71,6 +71,10 @@ def _try_import_torch_npu() -> tuple[object | None, str]:
     return module, "torch_npu imported"
 
 
+#: The ``npu`` library holding the simulated stand-ins once registered (kept alive for the process).
+_SIMULATED_LIBRARY: torch.library.Library | None = None
+
+
 @functools.cache
 def ensure_npu_ops() -> NpuOpsStatus:
     """Make every op in :data:`EMITTED_OPS` callable as ``torch.ops.npu.<name>.default``.
@@ -99,7 +103,10 @@ def ensure_npu_ops() -> NpuOpsStatus:
             "'npu' namespace. Fix the torch_npu installation (source the CANN set_env.sh) or run in a "
             "process where torch_npu is not half-imported."
         )
-    from qwen_npu_compile.ops import simulated  # noqa: F401  (registers the stand-ins on import)
+    from qwen_npu_compile.ops import simulated
+
+    global _SIMULATED_LIBRARY
+    _SIMULATED_LIBRARY = simulated.register()
 
     log.info("qwen_npu: using simulated npu ops (%s)", reason)
     return NpuOpsStatus(True, reason, None)

@@ -13,6 +13,9 @@ from collections.abc import Callable
 
 import torch
 
+#: The ``qwen_npu`` fragment that holds this project's ops defined by schema (alive for the whole process).
+QWEN_NPU_LIBRARY = torch.library.Library("qwen_npu", "FRAGMENT")
+
 
 def define_op(
     lib: torch.library.Library,
@@ -21,8 +24,9 @@ def define_op(
     fake: Callable,
     backward: Callable | None = None,
     setup_context: Callable | None = None,
-) -> None:
-    """Define the op of ``schema`` (``"name(args) -> returns"``) in ``lib`` with its kernels.
+) -> torch._ops.OpOverload:
+    """Define the op of ``schema`` (``"name(args) -> returns"``) in ``lib`` with its kernels; returns its overload
+    (``torch.ops.<namespace>.<name>.default``, what graphs hold).
 
     Args:
         lib: the ``torch.library.Library(namespace, "FRAGMENT")`` that keeps the registrations alive.
@@ -39,3 +43,4 @@ def define_op(
     torch.library.register_fake(qualified, fake, lib=lib)
     if backward is not None:
         torch.library.register_autograd(qualified, backward, setup_context=setup_context, lib=lib)
+    return getattr(getattr(torch.ops, lib.ns), name).default

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tests.helpers.graphs import aot_traced, call_targets as targets
+from tests.helpers.tensors import random_qkv
+from qwen_npu_compile.ops import attention_contract
 from qwen_npu_compile.ops.torch_npu import fusion_attention
 
 
@@ -29,17 +31,14 @@ def fa_grad(*args, **kwargs):
 
 
 def make_qkv(layout, b, nq, nkv, sq, skv, d, dtype, requires_grad=True, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    """``[q, k, v]`` in ``layout`` (``nq`` / ``nkv`` heads, ``sq`` / ``skv`` tokens, head dim ``d``)."""
     shapes = {
         "BNSD": lambda n, s: (b, n, s, d),
         "BSND": lambda n, s: (b, s, n, d),
         "BSH": lambda n, s: (b, s, n * d),
         "SBH": lambda n, s: (s, b, n * d),
     }[layout]
-    q = torch.randn(shapes(nq, sq), generator=g).to(dtype)
-    k = torch.randn(shapes(nkv, skv), generator=g).to(dtype)
-    v = torch.randn(shapes(nkv, skv), generator=g).to(dtype)
-    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+    return random_qkv(shapes(nq, sq), shapes(nkv, skv), dtype, requires_grad=requires_grad, seed=seed)
 
 
 def to_bnsd(t, layout, n):
@@ -92,10 +91,10 @@ def mask_setup(kind, b, sq, skv):
         keep = causal_keep(sq, skv)[None, None] & key_ok[:, None, None, :]  # [B, 1, Sq, Skv]
         return dict(atten_mask=~keep, sparse_mode=0), keep
     if kind == "causal2":
-        return dict(atten_mask=fusion_attention.compressed_causal_mask(), sparse_mode=2), causal_keep(sq, skv)
+        return dict(atten_mask=attention_contract.compressed_causal_mask(), sparse_mode=2), causal_keep(sq, skv)
     if kind == "causal3":
         keep = causal_keep(sq, skv, shift=skv - sq)
-        return dict(atten_mask=fusion_attention.compressed_causal_mask(), sparse_mode=3), keep
+        return dict(atten_mask=attention_contract.compressed_causal_mask(), sparse_mode=3), keep
     if kind == "band":
         # mode 0 with an all-False mask and next_tockens=0: the band makes it causal
         zeros = torch.zeros(sq, skv, dtype=torch.bool)
@@ -254,7 +253,7 @@ def test_dropout_is_deterministic_in_seed_and_offset_and_its_gradient_is_exact()
 def _bad(name):
     """Arguments that must be refused: (args, kwargs, match, also checked by the fake kernel)."""
     q, k, v = make_qkv("BNSD", 1, 4, 2, 4, 4, 64, torch.float32, requires_grad=False)
-    cmask = fusion_attention.compressed_causal_mask()
+    cmask = attention_contract.compressed_causal_mask()
     cases = {
         "tnd": ((q[0], k[0], v[0], 4, "TND"), {}, "TND", True),
         "gqa-ratio": ((q, k[:, :1].expand(1, 3, 4, 64).contiguous(), v[:, :1].expand(1, 3, 4, 64).contiguous(), 4, "BNSD"), {}, "multiple", True),
@@ -344,7 +343,7 @@ def test_opcheck():
 def test_aot_backward_graph_contains_grad_op(keep_prob):
     layout, nq, s = "BNSD", 4, 5
     q, k, v = make_qkv(layout, 2, nq, 2, s, s, 64, torch.float32)
-    mask = fusion_attention.compressed_causal_mask()
+    mask = attention_contract.compressed_causal_mask()
 
     def fn(q, k, v, mask):
         res = fa(q, k, v, nq, layout, atten_mask=mask, scale=0.125, keep_prob=keep_prob, sparse_mode=2, seed=11)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qwen_npu_compile.ops import attention_contract
 from qwen_npu_compile.ops.torch_npu import attention_blockwise, fusion_attention
 from qwen_npu_compile.ops.attention_contract import _probabilities, probability_grads, weighted_values
 
@@ -61,7 +62,7 @@ def setup(kind, b, nq, sq, skv, gen):
     if kind == "none":
         return {}
     if kind in ("causal2", "causal3"):
-        return dict(atten_mask=fusion_attention.compressed_causal_mask(), sparse_mode=int(kind[-1]))
+        return dict(atten_mask=attention_contract.compressed_causal_mask(), sparse_mode=int(kind[-1]))
     if kind == "left_pad":  # batch 1's first 6 rows see nothing at all (fully masked rows)
         return dict(atten_mask=padded_causal(b, sq, [0, 6]), sparse_mode=0)
     if kind == "right_pad":

@@ -3,12 +3,16 @@ simulated ``npu_fusion_attention(_grad)`` in TND, against a per-sequence SDPA re
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from tests.helpers.graphs import aot_traced, call_targets
+from tests.helpers.models import packed_positions
+from tests.helpers.tensors import meta, random_qkv
 from qwen_npu_compile.ops import limits
 from qwen_npu_compile.ops.qwen_npu import varlen_attention as va
 from qwen_npu_compile.ops.attention_contract import compressed_causal_mask
@@ -23,12 +27,9 @@ def fa(*args, **kwargs):
 
 
 def make_qkv(lens, nq, nkv, d, dtype=torch.float32, dv=None, seed=0):
-    g = torch.Generator().manual_seed(seed)
+    """TND ``q, k, v`` of sequences of ``lens`` (``nq`` / ``nkv`` heads, head dim ``d``, value dim ``dv``)."""
     t = sum(lens)
-    q = torch.randn(t, nq, d, generator=g).to(dtype).requires_grad_()
-    k = torch.randn(t, nkv, d, generator=g).to(dtype).requires_grad_()
-    v = torch.randn(t, nkv, dv or d, generator=g).to(dtype).requires_grad_()
-    return q, k, v
+    return random_qkv((t, nq, d), (t, nkv, d), dtype, v_shape=(t, nkv, dv or d), seed=seed)
 
 
 def ends_of(lens):
@@ -177,17 +178,13 @@ def test_transformers_npu_flash_attn_func_single_sequence_bsnd(npu_flash):
 # tracing: symbolic T, unbacked B, AOTAutograd
 
 
-def _packed(lens):
-    return torch.cat([torch.arange(n) for n in lens]).unsqueeze(0)
-
-
 def _attention_from_positions(q, k, v, position_ids):
     return va.OP(q, k, v, va.SEQ_ENDS_OP(position_ids, "restart"), 4, 0.125)[0]
 
 
 def test_make_fx_symbolic_traces_symbolic_t_and_unbacked_sequence_count():
     q, k, v = (t.detach() for t in make_qkv(LENS, 4, 2, 64))
-    gm = make_fx(_attention_from_positions, tracing_mode="symbolic")(q, k, v, _packed(LENS))
+    gm = make_fx(_attention_from_positions, tracing_mode="symbolic")(q, k, v, packed_positions(LENS))
     assert call_targets(gm).count(va.OP) == 1 and call_targets(gm).count(va.SEQ_ENDS_OP) == 1
     [ends] = gm.graph.find_nodes(op="call_function", target=va.SEQ_ENDS_OP)
     count = ends.meta["val"].shape[0]
@@ -199,7 +196,7 @@ def test_make_fx_symbolic_traces_symbolic_t_and_unbacked_sequence_count():
     # the traced graph runs another packing, another T
     lens = [3, 3, 10, 6]
     q2, k2, v2 = (t.detach() for t in make_qkv(lens, 4, 2, 64, seed=3))
-    torch.testing.assert_close(gm(q2, k2, v2, _packed(lens)), reference(q2, k2, v2, lens, 0.125), atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close(gm(q2, k2, v2, packed_positions(lens)), reference(q2, k2, v2, lens, 0.125), atol=2e-6, rtol=2e-5)
 
 
 def test_aot_autograd_backward_graph_holds_varlen_attention_backward():
@@ -231,7 +228,7 @@ def test_compile_dynamic_one_graph_pair_for_every_packing(fullgraph):
                              backend=aot_autograd(fw_compiler=record, bw_compiler=record))
     for seed, lens in enumerate([LENS, [3, 3, 10], [7, 7, 7, 7, 7, 1]]):
         q, k, v = make_qkv(lens, 4, 2, 64, seed=seed)
-        out = compiled(q, k, v, _packed(lens))
+        out = compiled(q, k, v, packed_positions(lens))
         dy = torch.randn_like(out)
         got = grads(out, (q, k, v), dy)
         expected = reference(q, k, v, lens, 0.125)
@@ -325,8 +322,8 @@ def test_seq_ends_refusals(position_ids, rule, match):
 # limits: varlen_violation and the refusals
 
 
-def _meta(*shape, dtype=torch.bfloat16):
-    return torch.empty(shape, dtype=dtype, device="meta")
+#: meta tensors here default to bf16, a dtype the varlen kernel takes everywhere
+_meta = functools.partial(meta, dtype=torch.bfloat16)
 
 
 def _violation(case):
@@ -401,12 +398,12 @@ def test_op_and_fake_raise_the_reason():
 
 def test_graph_limits_lookup_covers_the_varlen_ops():
     q, k, v = (t.detach() for t in make_qkv(LENS, 4, 2, 64))
-    gm = make_fx(_attention_from_positions, tracing_mode="symbolic")(q, k, v, _packed(LENS))
+    gm = make_fx(_attention_from_positions, tracing_mode="symbolic")(q, k, v, packed_positions(LENS))
     [node] = gm.graph.find_nodes(op="call_function", target=va.OP)
     assert "fp16/bf16" in limits.node_violation(node, "torchair")  # fp32 q/k/v: GE refuses
     assert limits.node_violation(node, None) is None
     gm16 = make_fx(_attention_from_positions, tracing_mode="symbolic")(q.bfloat16(), k.bfloat16(), v.bfloat16(),
-                                                                        _packed(LENS))
+                                                                        packed_positions(LENS))
     assert limits.graph_violations(gm16.graph, "torchair") == []
 
 

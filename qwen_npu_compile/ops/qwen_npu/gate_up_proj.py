@@ -36,7 +36,7 @@ import torch
 
 from qwen_npu_compile.compat import guard_or_false
 from qwen_npu_compile.ops import ge as ge_api
-from qwen_npu_compile.ops.define import define_op
+from qwen_npu_compile.ops.define import QWEN_NPU_LIBRARY, define_op
 
 NAMESPACE = "qwen_npu"
 SCHEMA = "gate_up_proj(Tensor x, Tensor w_gate, Tensor w_up) -> Tensor"
@@ -143,12 +143,8 @@ def _backward(ctx, grad):
     return dx, dw_gate, dw_up
 
 
-#: The ``qwen_npu`` fragment holding the op (alive for the whole process).
-LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
-define_op(LIBRARY, SCHEMA, gate_up_proj, _fake, _backward, _setup_context)
-
 #: The op overload graphs hold.
-OP = torch.ops.qwen_npu.gate_up_proj.default
+OP = define_op(QWEN_NPU_LIBRARY, SCHEMA, gate_up_proj, _fake, _backward, _setup_context)
 
 
 def register_ge_converter() -> None:

@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 
 from qwen_npu_compile.ops import ge
-from qwen_npu_compile.ops.define import define_op
-from qwen_npu_compile.ops.torch_npu.grouped_matmul import grouped_matmul_violation  # the kernel's limits
+from qwen_npu_compile.ops.define import QWEN_NPU_LIBRARY, define_op
+from qwen_npu_compile.ops.torch_npu.grouped_matmul import grouped_matmul_violation, is_transposed
 
 NAMESPACE = "qwen_npu"
 SCHEMA = "grouped_matmul(Tensor x, Tensor weight, Tensor group_list) -> Tensor"
@@ -86,7 +86,7 @@ def _backward(ctx, grad):
     if ctx.needs_input_grad[0]:
         dx = _npu_gmm(grad, weight.transpose(1, 2), group_list, 0)
     if ctx.needs_input_grad[1]:
-        if _is_transposed(weight):
+        if is_transposed(weight):
             # weight = param.transpose(1, 2) (transformers' experts): dWᵀ [E, N, K] in the parameter's own
             # layout, so that its transpose is the parameter's gradient without a layout copy after the graph
             # (2,304 MiB per Qwen3-30B-A3B layer at T = 4096: benchmarks/moe_traffic.py); same FLOPs
@@ -96,12 +96,8 @@ def _backward(ctx, grad):
     return dx, dw, None
 
 
-#: The ``qwen_npu`` fragment holding the op (alive for the whole process).
-LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
-define_op(LIBRARY, SCHEMA, grouped_matmul, _fake, _backward, _setup_context)
-
 #: The op overload graphs hold.
-OP = torch.ops.qwen_npu.grouped_matmul.default
+OP = define_op(QWEN_NPU_LIBRARY, SCHEMA, grouped_matmul, _fake, _backward, _setup_context)
 
 
 def register_ge_converter() -> None:

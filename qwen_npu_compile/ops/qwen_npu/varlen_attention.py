@@ -42,15 +42,13 @@ from qwen_npu_compile.ops.attention_contract import (
     MAX_TOKENS,
     SOFTMAX_STAT_WIDTH,
     SPARSE_MODES,
-    VARLEN_SOURCE,
     _ends_tensor_violation,
-    _known_ends,
     compressed_causal_mask,
     offsets_violation,
     tnd_violation,
     varlen_violation,
 )
-from qwen_npu_compile.ops.define import define_op
+from qwen_npu_compile.ops.define import QWEN_NPU_LIBRARY, define_op
 
 NAMESPACE = "qwen_npu"
 SCHEMA = (
@@ -328,16 +326,10 @@ def host_seq_ends(position_ids: torch.Tensor, rule: str = "restart") -> torch.Te
         return seq_ends_from_positions(position_ids.detach(), rule)
 
 
-#: The ``qwen_npu`` fragment holding the ops (alive for the whole process).
-LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
-define_op(LIBRARY, SCHEMA, varlen_attention, _fake, _backward, _setup_context)
-define_op(LIBRARY, BACKWARD_SCHEMA, varlen_attention_backward, _fake_backward)
-define_op(LIBRARY, SEQ_ENDS_SCHEMA, seq_ends_from_positions, _fake_seq_ends)
-
 #: The op overloads graphs hold.
-OP = torch.ops.qwen_npu.varlen_attention.default
-BACKWARD_OP = torch.ops.qwen_npu.varlen_attention_backward.default
-SEQ_ENDS_OP = torch.ops.qwen_npu.seq_ends_from_positions.default
+OP = define_op(QWEN_NPU_LIBRARY, SCHEMA, varlen_attention, _fake, _backward, _setup_context)
+BACKWARD_OP = define_op(QWEN_NPU_LIBRARY, BACKWARD_SCHEMA, varlen_attention_backward, _fake_backward)
+SEQ_ENDS_OP = define_op(QWEN_NPU_LIBRARY, SEQ_ENDS_SCHEMA, seq_ends_from_positions, _fake_seq_ends)
 
 __all__ = [
     "BACKWARD_OP", "MAX_SEGMENTS", "MAX_TOKENS", "OP", "RULES", "SEQ_ENDS_OP", "SPARSE_MODES", "host_seq_ends",

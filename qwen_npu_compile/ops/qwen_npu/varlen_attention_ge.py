@@ -31,7 +31,7 @@ registration API (``torchair.register_fx_node_ge_converter``, through
 
 ``M``, the compressed causal mask (modes 2/3; none for mode 0), is built once per GE graph and shared by
 every layer in it (:func:`_causal_mask`: ``[2048, 2048]`` bool, True above the diagonal, as
-:func:`qwen_npu_compile.ops.torch_npu.fusion_attention.compressed_causal_mask`).
+:func:`qwen_npu_compile.ops.attention_contract.compressed_causal_mask`).
 
 Limits: the converter calls the op's one home of limits,
 ``varlen_attention.varlen_violation(..., downstream="torchair")`` (the kernel's limits plus the GE IR's

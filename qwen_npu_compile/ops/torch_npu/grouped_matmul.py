@@ -47,7 +47,7 @@ INNER_LIMIT = 65536
 GROUP_LIST_DTYPE = torch.int64
 
 
-def _is_transposed(weight: torch.Tensor) -> bool:
+def is_transposed(weight: torch.Tensor) -> bool:
     """A ``[..., K, N]`` tensor that is a transposed view (the meta kernel's ``is_transpose_weight``)."""
     return weight.dim() >= 2 and weight.stride()[-2] == 1 and weight.stride()[-1] == weight.shape[-2]
 
@@ -95,7 +95,7 @@ def grouped_matmul_violation(x, weight, group_list, *, backward: bool = False,
         return f"dtypes differ (x {x.dtype}, weight {weight.dtype}); cast them to one dtype"
     if weight.device != x.device:
         return f"devices differ (x {x.device}, weight {weight.device})"
-    weight_inner = weight.shape[1] if _is_transposed(weight) else weight.shape[2]
+    weight_inner = weight.shape[1] if is_transposed(weight) else weight.shape[2]
     inner = [("x's K", x.shape[1]), ("weight's last dim", weight_inner)]
     if backward:
         inner += [("M (the weight gradient's x.t() last dim)", x.shape[0]), ("N", weight.shape[2])]

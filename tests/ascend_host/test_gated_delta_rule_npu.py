@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import sim
+from tests.helpers.numerics import relative_l2
 from qwen_npu_compile import get_reports
 from qwen_npu_compile.ops.qwen_npu import gated_delta_rule as G
 from qwen_npu_compile.ops.qwen_npu import gated_delta_rule_kernels as K
@@ -84,10 +85,6 @@ def _step(model, ids, compiled=False):
     return loss.detach().cpu(), {n: p.grad.detach().cpu() for n, p in model.named_parameters()}
 
 
-def _rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
-
-
 def _eager_resolves_fla_now(monkeypatch):
     """transformers 5.24 picks its delta-rule kernel ONCE, when ``modeling_qwen3_5`` is first imported
     (``use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", "fla")``: FLA if importable then, else the
@@ -120,9 +117,9 @@ def test_a_compiled_deltanet_layer_trains_on_fla(npu, fla, monkeypatch):
     _eager_resolves_fla_now(monkeypatch)
     want_loss, want = _step(eager, ids)
     assert len(calls) == 3  # transformers 5.24's eager dispatches to FLA by itself (its hub wrapper)
-    assert _rel(loss, want_loss) < 1e-5
+    assert relative_l2(loss, want_loss) < 1e-5
     for name, grad in grads.items():
-        assert _rel(grad, want[name]) < 1e-4, name
+        assert relative_l2(grad, want[name]) < 1e-4, name
 
 
 def test_the_op_on_fla_packed_rows_equals_the_reference(npu, fla):
@@ -138,9 +135,9 @@ def test_the_op_on_fla_packed_rows_equals_the_reference(npu, fla):
     assert fla.CALLS[0]["cu_seqlens"] == (torch.int64, (4,), "npu") and fla.CALLS[0]["cu_seqlens_cpu"][2] == "cpu"
     want, _ = G.reference(*cpu, cu, None, 32 ** -0.5, True)
     want.square().sum().backward()
-    assert _rel(out.detach().cpu(), want.detach()) < 1e-5
+    assert relative_l2(out.detach().cpu(), want.detach()) < 1e-5
     for ours, theirs in zip(dev, cpu):
-        assert _rel(ours.grad.cpu(), theirs.grad) < 1e-4
+        assert relative_l2(ours.grad.cpu(), theirs.grad) < 1e-4
 
 
 def test_head_dim_32_trains_on_the_reference_without_fla(npu, no_fla):
@@ -167,7 +164,7 @@ def test_head_dim_128_no_grad_forward_runs_torch_npus_op(npu, no_fla):
         logits = torch.compile(model, backend="qwen_npu", options={"downstream": "aot_eager"})(input_ids=ids).logits
         want = model(input_ids=ids).logits
     assert sim.op_calls().get("npu_chunk_gated_delta_rule", 0) == before + 1
-    assert _rel(logits.cpu(), want.cpu()) < 2e-2
+    assert relative_l2(logits.cpu(), want.cpu()) < 2e-2
     # 9 tokens: outside the contract, the reference (no aclnn failure)
     q, k, v = (torch.randn(1, 9, 2, 128, dtype=torch.bfloat16, device=npu) for _ in range(3))
     g, beta = -torch.rand(1, 9, 2, device=npu), torch.rand(1, 9, 2, dtype=torch.bfloat16, device=npu)

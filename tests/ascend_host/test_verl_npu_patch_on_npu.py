@@ -1,4 +1,4 @@
-"""verl 0.9.1 on the simulated Ascend host, taking its own NPU branches, with ``QWEN_NPU_COMPILE=1`` (issue 36).
+"""verl 0.9.1 on the simulated Ascend host, taking its own NPU branches, with ``QWEN_NPU_COMPILE=1``.
 
 verl's ``is_npu_available`` is true by itself (the stand-in ``torch_npu``), its device is ``npu``,
 ``FSDPEngineWithLMHead.__init__`` applies verl's real ``npu_patch`` itself (``apply_npu_fsdp_patches``), our hook

@@ -1,4 +1,4 @@
-"""verl 0.9.1's FSDP engine on the simulated Ascend host, taking its own NPU branches (issue 36).
+"""verl 0.9.1's FSDP engine on the simulated Ascend host, taking its own NPU branches.
 
 Run by test_verl_npu_patch_on_npu.py in a fresh interpreter (``VERL_USE_EXTERNAL_MODULES`` is read by ``import verl``;
 verl's npu_patch patches transformers for the whole process)::

@@ -1,4 +1,4 @@
-"""The MoE traffic benchmark (``benchmarks/moe_traffic.py``, issue 20's evidence) on a tiny Qwen3-MoE, per layer.
+"""The MoE traffic benchmark (``benchmarks/moe_traffic.py``: the traffic of the three MoE variants) on a tiny Qwen3-MoE, per layer.
 
 One training capture of the three variants (transformers' grouped_mm default, verl-style, qwen_npu) on
 ``tiny_moe("qwen3_moe")``'s shapes (hidden 64, 4 experts, top-2, ``moe_intermediate_size`` 32) at T = 16 tokens,
@@ -38,7 +38,7 @@ def rows(config):
 
 
 def test_grouped_matmul_kernels_per_layer(rows):
-    """transformers: aten._grouped_mm 2 forward / 4 backward (issue 20); verl: its 3 NPUGmmFunction forwards and
+    """transformers: aten._grouped_mm 2 forward / 4 backward; verl: its 3 NPUGmmFunction forwards and
     their dx + dW; qwen_npu: 2 qwen_npu.grouped_matmul forward, 4 npu_grouped_matmul backward, no _grouped_mm."""
     got = {name: row["grouped_mm"] for name, row in rows.items()}
     assert got == {

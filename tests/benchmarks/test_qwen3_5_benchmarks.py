@@ -1,4 +1,4 @@
-"""The Qwen3.5 traffic benchmark (``benchmarks/qwen3_5_traffic.py``, issue 25's evidence) on a tiny Qwen3.5, per layer
+"""The Qwen3.5 traffic benchmark (``benchmarks/qwen3_5_traffic.py``: the traffic of the three variants) on a tiny Qwen3.5, per layer
 kind.
 
 One training capture per layer kind of the three variants (eager, verl-style, qwen_npu) on
@@ -212,8 +212,8 @@ def _norms(config):
     return modeling, norm, gated
 
 
-def test_modelled_verl_functions_as_the_notes_describe(config):
-    """``../shared/reference/qwen3_5-next-notes.md``: (1+w) RMSNorm = ``npu_rms_norm(x.float(), 1 + w.float(), eps)[0]
+def test_modelled_verl_functions_compute_transformers_values_with_npu_ops(config):
+    """verl's NPU forms of the Qwen3.5 blocks (``benchmarks/verl_qwen3_5_patch.py``): (1+w) RMSNorm = ``npu_rms_norm(x.float(), 1 + w.float(), eps)[0]
     .type_as(x)``; gated = ``npu_rms_norm`` on fp32, then eager fp32 ``* silu(gate.float())``; partial rotary = slice,
     ``npu_rotary_mul`` on the rotated part, ``cat``. Same values as transformers' originals (fp32 inputs; the npu
     stand-ins compute in fp32), and exactly these ops."""

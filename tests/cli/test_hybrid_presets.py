@@ -1,4 +1,4 @@
-"""The Qwen3.5 / Qwen3.5-MoE / Qwen3-Next presets of ``check`` (issue 25): their sourced config fields (exact),
+"""The Qwen3.5 / Qwen3.5-MoE / Qwen3-Next presets of ``check``: their sourced config fields (exact),
 their parameter counts (the formula against the model built on the meta device, and the published totals), a
 multimodal Qwen3.5 directory (its text model is built, its weights loaded), and ``check`` PASS on a Qwen3.5
 preset with exact counts. The presets are data (:mod:`qwen_npu_compile.cli.check.presets`, sources in its comments).
@@ -27,35 +27,29 @@ GIB = 2**30
 #: conv kernel 4, eps 1e-6, no attention bias, 262144 positions).
 COMMON = dict(head_dim=256, linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
               linear_conv_kernel_dim=4, rms_norm_eps=1e-6, attention_bias=False, max_position_embeddings=262144)
+#: The dense Qwen3.5 presets' sourced fields, one row each in :data:`_DENSE_FIELDS` order (vocabulary 248320).
+_DENSE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "linear_num_value_heads", "tie_word_embeddings")
+_DENSE = {
+    "qwen3.5-0.8b": (1024, 3584, 24, 8, 2, 16, True),
+    "qwen3.5-2b": (2048, 6144, 24, 8, 2, 16, True),
+    "qwen3.5-4b": (2560, 9216, 32, 16, 4, 32, True),
+    "qwen3.5-9b": (4096, 12288, 32, 16, 4, 32, False),
+    "qwen3.5-27b": (5120, 17408, 64, 24, 4, 48, False),
+}
+#: The Qwen3.5-MoE presets' sourced fields in :data:`_MOE_FIELDS` order (vocabulary 248320, untied embeddings).
+_MOE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "linear_num_value_heads",
+               "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+_MOE = {
+    "qwen3.5-35b-a3b": (2048, 40, 16, 2, 32, 256, 8, 512, 512),
+    "qwen3.5-122b-a10b": (3072, 48, 32, 2, 64, 256, 8, 1024, 1024),
+    "qwen3.5-397b-a17b": (4096, 60, 32, 2, 64, 512, 10, 1024, 1024),
+}
 #: preset -> (config class, sourced fields); see the comments in cli/check/presets.py for the sources.
 SOURCED = {
-    "qwen3.5-0.8b": ("Qwen3_5TextConfig", dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
-                     num_attention_heads=8, num_key_value_heads=2, linear_num_value_heads=16, vocab_size=248320,
-                     tie_word_embeddings=True)),
-    "qwen3.5-2b": ("Qwen3_5TextConfig", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
-                   num_attention_heads=8, num_key_value_heads=2, linear_num_value_heads=16, vocab_size=248320,
-                   tie_word_embeddings=True)),
-    "qwen3.5-4b": ("Qwen3_5TextConfig", dict(hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
-                   num_attention_heads=16, num_key_value_heads=4, linear_num_value_heads=32, vocab_size=248320,
-                   tie_word_embeddings=True)),
-    "qwen3.5-9b": ("Qwen3_5TextConfig", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
-                   num_attention_heads=16, num_key_value_heads=4, linear_num_value_heads=32, vocab_size=248320,
-                   tie_word_embeddings=False)),
-    "qwen3.5-27b": ("Qwen3_5TextConfig", dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
-                    num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48, vocab_size=248320,
-                    tie_word_embeddings=False)),
-    "qwen3.5-35b-a3b": ("Qwen3_5MoeTextConfig", dict(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
-                        num_key_value_heads=2, linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
-                        moe_intermediate_size=512, shared_expert_intermediate_size=512, vocab_size=248320,
-                        tie_word_embeddings=False)),
-    "qwen3.5-122b-a10b": ("Qwen3_5MoeTextConfig", dict(hidden_size=3072, num_hidden_layers=48, num_attention_heads=32,
-                          num_key_value_heads=2, linear_num_value_heads=64, num_experts=256, num_experts_per_tok=8,
-                          moe_intermediate_size=1024, shared_expert_intermediate_size=1024, vocab_size=248320,
-                          tie_word_embeddings=False)),
-    "qwen3.5-397b-a17b": ("Qwen3_5MoeTextConfig", dict(hidden_size=4096, num_hidden_layers=60, num_attention_heads=32,
-                          num_key_value_heads=2, linear_num_value_heads=64, num_experts=512, num_experts_per_tok=10,
-                          moe_intermediate_size=1024, shared_expert_intermediate_size=1024, vocab_size=248320,
-                          tie_word_embeddings=False)),
+    **{name: ("Qwen3_5TextConfig", dict(zip(_DENSE_FIELDS, row), vocab_size=248320)) for name, row in _DENSE.items()},
+    **{name: ("Qwen3_5MoeTextConfig", dict(zip(_MOE_FIELDS, row), vocab_size=248320, tie_word_embeddings=False))
+       for name, row in _MOE.items()},
     "qwen3-next-80b-a3b": ("Qwen3NextConfig", dict(hidden_size=2048, intermediate_size=5120, num_hidden_layers=48,
                            num_attention_heads=16, num_key_value_heads=2, linear_num_value_heads=32, num_experts=512,
                            num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,

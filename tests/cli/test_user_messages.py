@@ -1,4 +1,4 @@
-"""A newcomer's first hour (issue 29): no silent no-op, no vacuous PASS, quick answers.
+"""What a user is told: no silent no-op, no vacuous PASS, quick one-line answers.
 
 * ``maybe_compile`` in a plain training loop (a model whose config keeps ``use_cache=True``) fuses, saying so once;
   switched off it says so in one INFO line;

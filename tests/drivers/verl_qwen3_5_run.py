@@ -18,27 +18,18 @@ Environment: ``QWEN_NPU_COMPILE`` (1: maybe_compile the layers), ``DT`` (``bf16`
 it is available), ``QWEN_NPU_FUSIONS``.
 """
 import itertools, json, os, sys, time, logging
+from pathlib import Path
 import torch
 import transformers
 from transformers.models.qwen3_5 import modeling_qwen3_5 as M
 import verl.models.transformers.qwen3_5 as VQ
 from qwen_npu_compile.integrations.npu_host import simulated_npu_host
-from qwen_npu_compile.ops.qwen_npu import gated_delta_rule as GDR
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests.helpers
+from tests.helpers.fla import fla_like_chunk_gated_delta_rule as fla_like_kernel
 
 LOGITS = 3
 FLA_CALLS = []
-
-
-@torch.compiler.disable
-def fla_like_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                                    use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-                                    allow_neg_eigval=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
-                                    cp_context=None):
-    """FLA 0.5.2 ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``'s signature and contract (``[B, T, H, K]``,
-    per-sequence offsets), computing the op's reference."""
-    FLA_CALLS.append(cu_seqlens is not None)
-    out, state = GDR.reference(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm_in_kernel)
-    return out, (state if output_final_state else None)
+fla_like_chunk_gated_delta_rule = fla_like_kernel(FLA_CALLS)
 
 
 def build(dtype):

@@ -1,4 +1,4 @@
-"""Other model families with Qwen2's blocks (issue 10, item 6): Qwen3, Llama 3.x, Mistral fuse with the
+"""Other model families with Qwen2's blocks: Qwen3, Llama 3.x, Mistral fuse with the
 expected counts and parity on tiny random configs of transformers' real modeling code; GPT-2 (none of
 the blocks but attention) compiles with one report line, no warnings; the ``check`` presets."""
 

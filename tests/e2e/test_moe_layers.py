@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 
-from tests.helpers.models import tiny_moe
+from tests.helpers.models import packed_row, tiny_moe
 from tests.helpers.numerics import assert_runs_match
 from qwen_npu_compile import maybe_compile
 from qwen_npu_compile.cli.check.harness import fp32_reference, run_model
@@ -91,11 +91,6 @@ def test_each_layer_fuses_its_experts_with_parity_and_strict(monkeypatch, tmp_pa
     assert reports[0].aot_ops["backward"]["npu_grouped_matmul"] == 4  # dx and dW per fused grouped matmul
 
 
-def _packed(lens: list[int], seed: int = 0) -> dict:
-    ids = torch.randint(0, 128, (1, sum(lens)), generator=torch.Generator().manual_seed(seed))
-    return {"input_ids": ids, "position_ids": torch.cat([torch.arange(n) for n in lens]).unsqueeze(0)}
-
-
 @pytest.mark.parametrize("attn", ["flash_attention_2", "sdpa"])
 def test_packed_micro_batches_run_varlen_attention(monkeypatch, npu_ops, attn):
     """verl's default input on Qwen3-MoE (whose 5.24 base model takes no mask mapping): varlen attention in
@@ -107,9 +102,8 @@ def test_packed_micro_batches_run_varlen_attention(monkeypatch, npu_ops, attn):
         layers = maybe_compile(model)
         assert layers.varlen[0] == "Qwen3MoeModel forward pre-hook"
         for seed, lens in enumerate([[13, 29, 6, 16], [40], [9, 21, 11]]):
-            batch = _packed(lens, seed)
-            runs = [run_model(m, m, batch["input_ids"], True, labels=batch["input_ids"],
-                              position_ids=batch["position_ids"]) for m in (model, reference)]
+            ids, positions = packed_row(lens, seed=seed)
+            runs = [run_model(m, m, ids, True, labels=ids, position_ids=positions) for m in (model, reference)]
             assert_runs_match(*runs)
     per_layer = expected_fusions(model.config, per_layer=True)
     for name, record in layers.records.items():

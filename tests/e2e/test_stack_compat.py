@@ -26,7 +26,7 @@ all gradients together; bf16 against an fp32 run of the same weights (relative L
 + 1e-3), logits of real tokens only with left padding. The fusion totals go
 to the junit report (``record_property("fusions", ...)``), from which docs/supported-stacks.md's support table is
 generated. Nothing global is written: the compile switch is passed to ``maybe_compile`` as
-``environ``, no dump folder, and conftest resets Dynamo and the report summary around every test.
+``environ``, no dump folder, and tests/conftest.py resets Dynamo and the report summary around every test.
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def test_whole_model_new_lengths_and_paddings(attn):
 def test_whole_model_packed_sequences_run_varlen_attention():
     """verl's packed micro-batch (``use_remove_padding``: one row, position ids restarting per sequence, no
     attention mask): the packed causal mask transformers builds in the graph (4.57: through torch.vmap) is
-    proven from the position ids, so attention runs as ``qwen_npu.varlen_attention`` (issue 18)."""
+    proven from the position ids, so attention runs as ``qwen_npu.varlen_attention``."""
     model = tiny_qwen2(torch.bfloat16).train()
     positions = torch.cat([torch.arange(n) for n in (6, 3, 7)])[None]
     input_ids = torch.randint(0, 128, positions.shape, generator=torch.Generator().manual_seed(2))

@@ -1,6 +1,7 @@
-"""Setups people train with (issue 10): tensor-valued scalars, autocast, odd attention spellings.
+"""Variants of a training step people run: tensor-valued scalars, autocast, odd attention spellings, left padding,
+gradient checkpointing.
 
-Tiny Qwen2 of the issue: hidden 96, 2 layers, 6 heads, 2 KV heads (GQA), vocab 256, batch 2, seq 12,
+A tiny Qwen2 with uneven widths: hidden 96, 2 layers, 6 heads, 2 KV heads (GQA), vocab 256, batch 2, seq 12,
 transformers' real modeling code, one training step; exact fusion counts, parity with eager, refusal
 reasons.
 """

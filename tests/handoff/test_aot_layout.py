@@ -1,7 +1,7 @@
 """The AOT graphs' layout audit (qwen_npu_compile.handoff.aot_layout): torch's fake kernels that promise another
 layout than the eager kernel are found at compile time and their output pinned to the traced layout.
 
-The torch bug behind the Qwen3.5 / Qwen3-Next training crash (issue 25): ``aten.softplus_backward``'s
+The torch bug behind the Qwen3.5 / Qwen3-Next training crash: ``aten.softplus_backward``'s
 meta kernel follows ``self``'s layout, the CPU kernel ``grad_output``'s; AOTAutograd then emits an
 ``aten.view`` the eager backward cannot run.
 """

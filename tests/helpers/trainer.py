@@ -19,7 +19,7 @@ class TokenRows(torch.utils.data.Dataset):
         return {"input_ids": self.rows[index], "labels": self.rows[index]}
 
 
-def train(output_dir, steps: int, batch: int, seq: int, callbacks=(), **arguments):
+def run_trainer(output_dir, steps: int, batch: int, seq: int, callbacks=(), **arguments):
     """``steps`` Trainer steps of a fresh tiny Qwen2 (fp32 weights) on :class:`TokenRows`, no saving, no workers;
     ``arguments`` go to ``TrainingArguments``. Returns ``(model, per-step losses, trainer)``."""
     from transformers import Trainer, TrainingArguments

@@ -9,18 +9,18 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 import transformers
 
 from qwen_npu_compile.patterns import expected_fusions
+from tests.helpers import REPO
+from tests.helpers.runs import assert_every_layer_fused
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "fsdp_train.py"
+EXAMPLE = REPO / "examples" / "fsdp_train.py"
 RANKS, LAYERS, STEPS = 2, 2, 3
 ATOL = 1e-5  # fp32: compiled and eager losses agree to ~1e-7
 FUSED_PER_LAYER = expected_fusions(transformers.Qwen2Config(), ("rms_norm", "swiglu"), per_layer=True)
@@ -34,18 +34,6 @@ def fsdp_train():
         yield importlib.import_module("fsdp_train")
     finally:
         sys.path.remove(str(EXAMPLE.parent))
-
-
-def assert_every_layer_fused(result: dict, rank: int) -> None:
-    names = [f"model.layers.{i}" for i in range(LAYERS)]
-    assert result["compiled_layers"] == names, rank
-    assert sorted(result["layers"]) == names, rank
-    for name, layer in result["layers"].items():
-        assert layer["class"] == "Qwen2DecoderLayer"
-        assert layer["graphs"], f"rank {rank}: {name} ran no qwen_npu graph"
-        for graph in layer["graphs"]:
-            for family, count in FUSED_PER_LAYER.items():
-                assert graph["fusions"][family] == count, (rank, name, graph)
 
 
 def assert_losses_match(off: dict, on: dict, rank: int) -> None:
@@ -81,7 +69,7 @@ def test_fsdp2_two_ranks_with_the_variable_on_match_the_variable_off(fsdp_train,
         assert "error" not in on[rank], on[rank].get("traceback")
         assert_losses_match(off[rank], on[rank], rank)
         # the variable on: every decoder layer ran a fused graph; off: nothing compiled
-        assert_every_layer_fused(on[rank], rank)
+        assert_every_layer_fused(on[rank], FUSED_PER_LAYER, LAYERS, f"rank {rank}")
         assert off[rank]["compiled_layers"] == [] and off[rank]["layers"] == {}
         # fully_shard found the layers by class name after compilation; state-dict keys are unchanged
         assert on[rank]["layer_classes"] == ["FSDPQwen2DecoderLayer"]
@@ -132,7 +120,7 @@ def test_fsdp1_with_use_orig_params_matches_the_variable_off(fsdp1_results, scen
         assert "error" not in off and "error" not in on, (off.get("traceback"), on.get("traceback"))
         assert_losses_match(off, on, rank)
         assert off["compiled_layers"] == []
-        assert_every_layer_fused(on, rank)
+        assert_every_layer_fused(on, FUSED_PER_LAYER, LAYERS, f"rank {rank}")
         assert on["layer_classes"] == ["Qwen2DecoderLayer"]  # FSDP1 wraps the layer, its class stays
         assert on["state_dict_keys_equal"]
         calls = {layer["calls"]["checkpointed" if on["spec"]["gradient_checkpointing"] else "compiled"]

@@ -1,4 +1,4 @@
-"""Where MindSpeed replaced ``torch.compile`` with its ``dummy_compile``, qwen_npu still compiles (issue 30).
+"""Where MindSpeed replaced ``torch.compile`` with its ``dummy_compile``, qwen_npu still compiles.
 
 The stand-in ``mindspeed`` package (tests/helpers/mindspeed_stand_in.py: MindSpeed's patch manager and
 ``dummy_compile``, as ``mindspeed/patch_utils.py`` and ``requirements_basic.py`` do it) is imported in

@@ -13,12 +13,12 @@ import torch
 
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (pip install accelerate)")
 
-from transformers import Qwen2Config, Trainer, TrainingArguments  # noqa: E402
+from transformers import Qwen2Config, TrainingArguments  # noqa: E402
 
-from qwen_npu_compile.cli.check.models import tiny_qwen2  # noqa: E402
 from qwen_npu_compile.hf_trainer import QwenNpuCompileCallback  # noqa: E402
 from qwen_npu_compile.patterns import expected_fusions  # noqa: E402
 from qwen_npu_compile.worker import ENV_COMPILE, layer_reports  # noqa: E402
+from tests.helpers.trainer import run_trainer  # noqa: E402
 
 PER_LAYER = expected_fusions(Qwen2Config(), per_layer=True)  # one Qwen2 decoder layer graph
 STEPS, BATCH, SEQ = 2, 4, 16
@@ -28,28 +28,10 @@ CHECKPOINTING = ("activation_checkpointing"
                  else "gradient_checkpointing")
 
 
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self) -> None:
-        generator = torch.Generator().manual_seed(0)
-        self.rows = [torch.randint(0, 128, (SEQ,), generator=generator) for _ in range(STEPS * BATCH)]
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index):
-        return {"input_ids": self.rows[index], "labels": self.rows[index]}
-
-
 def train(tmp_path, callbacks=(), checkpointing=False, **arguments):
-    """A 2-step Trainer run; returns (model, per-step losses)."""
-    model = tiny_qwen2()
-    settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=BATCH, max_steps=STEPS, learning_rate=1e-3,
-                    logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
-                    dataloader_num_workers=0)
-    args = TrainingArguments(**{**settings, CHECKPOINTING: checkpointing, **arguments})
-    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=list(callbacks))
-    trainer.train()
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    """A 2-step Trainer run on the CPU; returns (model, per-step losses)."""
+    model, losses, _ = run_trainer(tmp_path, STEPS, BATCH, SEQ, callbacks, use_cpu=True,
+                                   **{CHECKPOINTING: checkpointing, **arguments})
     return model, losses
 
 

@@ -1,8 +1,8 @@
-"""verl coexistence (issue 20): a Qwen3-MoE whose sparse MoE block is verl 0.9.1's own ``npu_patch``
+"""verl coexistence: a Qwen3-MoE whose sparse MoE block is verl 0.9.1's own ``npu_patch``
 (``qwen3_moe_sparse_moe_block_forward_npu``: ``npu_moe_token_permute``, ``histc``, three ``NPUGmmFunction``
 grouped matmuls, ``npu_swiglu(cat)``, ``npu_moe_token_unpermute``), compiled with ``qwen_npu``.
 
-verl's real module is imported: its ``import torch_npu`` gets a throwaway module (:func:`stand_in_torch_npu`)
+verl's real module is imported: its ``import torch_npu`` gets a throwaway module (:func:`tests.helpers.verl_npu_patch.stand_in_torch_npu`)
 whose functions are our ``torch.ops.npu`` stand-ins, and ``_patch_qwen3_moe()`` is applied and undone around
 each test. Checked: nothing of the patched block is fused twice (its graph compiles unfused, with the reason
 below, and verl's fused ops count as already fused), whole model and per layer (``maybe_compile``); the

@@ -1,9 +1,9 @@
-"""verl's ``npu_patch`` and ``QWEN_NPU_COMPILE=1`` (issue 36): verl's own patch functions run, and our fusions
-are not pre-empted (:mod:`qwen_npu_compile.integrations.verl_npu_patch`).
+"""verl's ``npu_patch`` and ``QWEN_NPU_COMPILE=1``: verl's own patch functions run, and our fusions are not
+pre-empted (:mod:`qwen_npu_compile.integrations.verl_npu_patch`).
 
 On an Ascend host ``FSDPEngine.__init__`` runs verl 0.9.1's ``npu_patch.apply_npu_patches`` before our hook
 compiles. Here verl's real module is imported with a throwaway ``torch_npu`` whose functions are our
-``torch.ops.npu`` stand-ins (``test_verl_moe_patch.stand_in_torch_npu``), the hook is installed as
+``torch.ops.npu`` stand-ins (:func:`tests.helpers.verl_npu_patch.stand_in_torch_npu`), the hook is installed as
 ``VERL_USE_EXTERNAL_MODULES=qwen_npu_compile.verl`` installs it (:func:`qwen_npu_compile.verl.install`: a
 post-import hook on ``npu_patch``), and verl's ``apply_npu_patches`` patches every model class it knows, as
 ``apply_npu_fsdp_patches`` does. Then tiny bf16 Qwen2, Qwen3-MoE and Qwen3.5 models (transformers' own
@@ -98,12 +98,6 @@ def verl_npu_patches(compile_on: bool):
         sys.modules.pop(NPU_PATCH, None)
         for name in set(hook._after_import.actions) - set(pending):  # install()'s engine hook, never imported here
             hook._after_import.actions.pop(name)
-
-
-@pytest.fixture
-def compile_on(monkeypatch):
-    monkeypatch.setenv(ENV_COMPILE, "1")
-    monkeypatch.delenv("QWEN_NPU_FUSIONS", raising=False)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -260,7 +254,7 @@ def test_layers_fuse_what_they_fuse_without_npu_patch_with_parity(compile_on, mo
 
 
 def test_without_the_takeover_verls_patches_pre_empt_the_families(compile_on):
-    """The contrast (what issue 36 found): verl's patches applied with no hook installed, a Qwen2 layer fuses
+    """The contrast (why the takeover exists): verl's patches applied with no hook installed, a Qwen2 layer fuses
     attention only, the rest is verl's (already fused)."""
     with simulated_npu_host(), verl_npu_patches(False):
         model = build("qwen2")

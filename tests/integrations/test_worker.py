@@ -47,11 +47,6 @@ def implemented(family: str) -> bool:
     return any(True for _ in FAMILIES[family]().iter_variants())
 
 
-@pytest.fixture
-def compile_on(monkeypatch):
-    monkeypatch.setenv(ENV_COMPILE, "1")
-
-
 def tokens(seq: int = 16, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(seed))
 

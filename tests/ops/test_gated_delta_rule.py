@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.numerics import relative_l2
 from qwen_npu_compile.ops.qwen_npu import gated_delta_rule as G
 from qwen_npu_compile.ops.qwen_npu import gated_delta_rule_kernels as K
 
@@ -41,11 +42,6 @@ def _grads(outputs, inputs, seed=1):
     return torch.autograd.grad(outputs, inputs, cotangents)
 
 
-def _rel(a, b):
-    a, b = a.detach().float(), b.detach().float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_padded_with_initial_state_matches_transformers(dtype, tol):
     q, k, v, g, beta = _operands(2, 100, dtype=dtype)
@@ -55,9 +51,9 @@ def test_padded_with_initial_state_matches_transformers(dtype, tol):
     ref_out, ref_final = hf_rule(q, k, v, g, beta, initial_state=state, output_final_state=True,
                                  use_qk_l2norm_in_kernel=True)
     assert out.dtype == ref_out.dtype == dtype and final.dtype == torch.float32
-    assert _rel(out, ref_out) <= tol and _rel(final, ref_final) <= tol
+    assert relative_l2(out, ref_out) <= tol and relative_l2(final, ref_final) <= tol
     for ours, theirs in zip(_grads((out, final), inputs), _grads((ref_out, ref_final), inputs)):
-        assert _rel(ours, theirs) <= tol
+        assert relative_l2(ours, theirs) <= tol
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
@@ -72,9 +68,9 @@ def test_packed_rows_equal_each_sequence_alone(dtype, tol):
                    use_qk_l2norm_in_kernel=True)
            for i, (a, b) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()))]
     ref_out, ref_final = torch.cat([r[0] for r in ref], dim=1), torch.cat([r[1] for r in ref])
-    assert _rel(out, ref_out) <= tol and _rel(final, ref_final) <= tol
+    assert relative_l2(out, ref_out) <= tol and relative_l2(final, ref_final) <= tol
     for ours, theirs in zip(_grads((out, final), inputs), _grads((ref_out, ref_final), inputs)):
-        assert _rel(ours, theirs) <= tol
+        assert relative_l2(ours, theirs) <= tol
 
 
 def test_packing_is_not_one_sequence():
@@ -82,7 +78,7 @@ def test_packing_is_not_one_sequence():
     q, k, v, g, beta = (t.detach() for t in _operands(1, 130))
     packed, _ = OP(q, k, v, g, beta, torch.tensor([0, 65, 130]), None, HEAD_DIM ** -0.5, True)
     whole, _ = OP(q, k, v, g, beta, None, None, HEAD_DIM ** -0.5, True)
-    assert torch.equal(packed[:, :65], whole[:, :65]) and _rel(packed[:, 65:], whole[:, 65:]) > 1e-2
+    assert torch.equal(packed[:, :65], whole[:, :65]) and relative_l2(packed[:, 65:], whole[:, 65:]) > 1e-2
 
 
 def test_opcheck():
@@ -296,7 +292,7 @@ def test_the_ascend_kernels_train_on_fla(stand_in_fla, dtype, tol):
     assert calls[0]["initial_state"] == (torch.float32, (2, 2, 32, 32), "cpu")
     assert calls[0]["output_final_state"] is True and calls[0]["use_qk_l2norm_in_kernel"] is True
     ref_out, ref_final = G.reference(*args)
-    assert _rel(out, ref_out) <= tol and _rel(final, ref_final) <= tol
+    assert relative_l2(out, ref_out) <= tol and relative_l2(final, ref_final) <= tol
     torch.manual_seed(1)
     grad_out, grad_state = torch.randn(out.shape, dtype=dtype), torch.randn(final.shape)
     grads = G._npu_backward_kernel(grad_out, grad_state, *(t.detach() if isinstance(t, torch.Tensor) else t
@@ -304,7 +300,7 @@ def test_the_ascend_kernels_train_on_fla(stand_in_fla, dtype, tol):
     assert len(calls) == 2 and calls[1]["grad_enabled"]  # FLA's forward recomputed under autograd
     want = torch.autograd.grad((ref_out, ref_final), [q, k, v, g, beta, state], (grad_out, grad_state))
     for ours, theirs in zip(grads, want):
-        assert ours.dtype == theirs.dtype and _rel(ours, theirs) <= tol
+        assert ours.dtype == theirs.dtype and relative_l2(ours, theirs) <= tol
 
 
 def test_a_no_grad_forward_with_fla_is_fla_not_torch_npu(stand_in_fla):
@@ -339,7 +335,7 @@ def test_npu_arguments_match_the_documented_recurrence(ascend):
     assert K.npu_forward_violation(q, k, v, g, beta, cu, state) is None
     got = G.npu_forward(q, k, v, g, beta, cu, state, 128 ** -0.5, True, npu_op=_npu_stand_in)
     want = G.reference(q, k, v, g, beta, cu, state.float(), 128 ** -0.5, True)
-    assert _rel(got[0], want[0]) < 2e-2 and _rel(got[1], want[1]) < 2e-2
+    assert relative_l2(got[0], want[0]) < 2e-2 and relative_l2(got[1], want[1]) < 2e-2
 
 
 def _npu_stand_in(query, key, value, *, beta, initial_state, actual_seq_lengths, scale, g):

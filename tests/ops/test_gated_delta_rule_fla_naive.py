@@ -48,6 +48,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.numerics import relative_l2
 from qwen_npu_compile.ops.qwen_npu import gated_delta_rule as G
 from qwen_npu_compile.ops.qwen_npu import gated_delta_rule_kernels as K
 
@@ -164,11 +165,6 @@ def _naive_rule(naive, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_q
 # the op against it
 
 
-def _rel(a, b) -> float:
-    a, b = a.detach().float(), b.detach().float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 CASES = {
     # Qwen3.5's widths (K = V = 128), packed rows across the chunk edges (1, 63, 65 and 130 tokens), a state each
     "packed_k128_v128": dict(lengths=[1, 63, 65, 130], key_heads=2, value_heads=2, k_dim=128, v_dim=128),
@@ -239,14 +235,14 @@ def test_the_op_equals_flas_naive_recurrent_reference(naive, case_name, dtype):
     reference = _run(naive_rule, [t.detach().float().requires_grad_() for t in leaves], case)
     ours_flat = [ours[0], ours[1], *ours[2]]
     reference_flat = [reference[0], reference[1], *reference[2]]
-    distances = {name: _rel(a, b) for name, a, b in zip(NAMES, ours_flat, reference_flat)}
+    distances = {name: relative_l2(a, b) for name, a, b in zip(NAMES, ours_flat, reference_flat)}
     for tensor, leaf in zip(ours[2], leaves):
         assert tensor.dtype == leaf.dtype and tensor.shape == leaf.shape
     assert ours[0].dtype == dtype and ours[1].dtype == torch.float32
     line = f"{case_name} {str(dtype)[6:]}: max rel-L2 {max(distances.values()):.2e} ({', '.join(f'{n} {d:.1e}' for n, d in distances.items())})"
     if dtype != torch.float32:  # the naive reference on the same bf16 operands, measured the same way
         theirs = _run(naive_rule, leaves, case)
-        naive_distances = [_rel(a, b) for a, b in zip([theirs[0], theirs[1], *theirs[2]], reference_flat)]
+        naive_distances = [relative_l2(a, b) for a, b in zip([theirs[0], theirs[1], *theirs[2]], reference_flat)]
         line += f"; naive on bf16: max {max(naive_distances):.2e}"
         assert max(naive_distances) <= bound, naive_distances
     print(line)
@@ -261,7 +257,7 @@ def test_the_reference_sees_each_sequence_alone(naive):
     cu_seqlens = torch.tensor([0, *itertools.accumulate(case["lengths"])])
     ours, _ = OP(q, k, v, g, beta, cu_seqlens, state, 128 ** -0.5, True)
     whole, _ = naive(q=_l2norm(q), k=_l2norm(k), v=v, beta=beta, g=g, scale=128 ** -0.5, initial_state=state[:1])
-    assert _rel(ours[:, :1], whole[:, :1]) <= 1e-5 and _rel(ours[:, 1:], whole[:, 1:]) > 1e-2
+    assert relative_l2(ours[:, :1], whole[:, :1]) <= 1e-5 and relative_l2(ours[:, 1:], whole[:, 1:]) > 1e-2
 
 
 # --------------------------------------------------------------------------------------------------
@@ -342,8 +338,8 @@ def test_the_ascend_binding_trains_on_fla_0_6_0(fla_0_6_0):
     ref_out, ref_final = G.reference(*args)
     want = torch.autograd.grad((ref_out, ref_final), [q, k, v, g, beta, state],
                                (torch.ones_like(ref_out), torch.ones_like(ref_final)))
-    assert _rel(out, ref_out) <= 1e-5 and _rel(final, ref_final) <= 1e-5
-    assert all(_rel(a, b) <= 1e-5 for a, b in zip(grads, want))
+    assert relative_l2(out, ref_out) <= 1e-5 and relative_l2(final, ref_final) <= 1e-5
+    assert all(relative_l2(a, b) <= 1e-5 for a, b in zip(grads, want))
 
 
 def test_an_fla_entry_without_the_keywords_is_refused(fla_0_6_0, monkeypatch):

@@ -1,4 +1,4 @@
-"""``npu_grouped_matmul`` stand-in and ``qwen_npu::grouped_matmul`` (issue 20): values and gradients against
+"""``npu_grouped_matmul`` stand-in and ``qwen_npu::grouped_matmul`` (the MoE experts' matmuls): values and gradients against
 ``aten._grouped_mm``, the wheel's schema and meta kernel, the limits."""
 
 from __future__ import annotations

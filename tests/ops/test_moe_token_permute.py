@@ -1,4 +1,4 @@
-"""``npu_moe_token_permute`` / ``npu_moe_token_unpermute`` stand-ins (issue 20, verl's npu_patch MoE block):
+"""``npu_moe_token_permute`` / ``npu_moe_token_unpermute`` stand-ins (the ops of verl's npu_patch MoE block):
 values and gradients against a plain PyTorch reference, opcheck, the wheel's schemas and meta kernels."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""npu_add_rms_norm (issue 12): the stand-in and its limits. The inference-only rewrite of residual add +
+"""npu_add_rms_norm: the stand-in and its limits. The inference-only rewrite of residual add +
 RMSNorm on a tiny Qwen2 is tested with its family, tests/patterns/test_rms_norm.py."""
 
 import pytest

@@ -93,7 +93,7 @@ def test_swiglu_split_dim_and_contract_errors(npu_ops):
         npu.npu_swiglu.default(torch.randn(2, 5), -1)
 
 
-# Verbatim from torch_npu 2.13.0 npu_native_functions_by_codegen.yaml (shared/reference/npu-op-contracts.md).
+# Verbatim from torch_npu 2.13.0 npu_native_functions_by_codegen.yaml (docs/npu-op-contracts.md).
 CONTRACT_SCHEMAS = [
     "npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)",
     "npu_rms_norm_backward(Tensor dy, Tensor self, Tensor gamma, Tensor rstd) -> (Tensor, Tensor)",

@@ -7,17 +7,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tests.helpers.graphs import aot_traced, call_targets as targets
+from tests.helpers.tensors import meta, rotate_half
 from qwen_npu_compile.ops.torch_npu import rotary_mul
 
 
 pytestmark = pytest.mark.usefixtures("simulated_npu_ops")
-
-
-def rotate_half(x):
-    """HF ``rotate_half``."""
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def hf_rotary(x, cos, sin):
@@ -187,13 +181,9 @@ def test_aot_backward_graph_contains_backward_op():
         torch.testing.assert_close(g, e)
 
 
-def _meta(*shape, dtype=torch.float16):
-    return torch.empty(shape, dtype=dtype, device="meta")
-
-
 def _violation(x_shape, r_shape, dtype, layout, **kwargs):
-    return rotary_mul.rotary_mul_violation(_meta(*x_shape, dtype=dtype), _meta(*r_shape, dtype=dtype),
-                                           _meta(*r_shape, dtype=dtype), layout=layout, **kwargs)
+    return rotary_mul.rotary_mul_violation(meta(*x_shape, dtype=dtype), meta(*r_shape, dtype=dtype),
+                                           meta(*r_shape, dtype=dtype), layout=layout, **kwargs)
 
 
 def test_limit_helper():

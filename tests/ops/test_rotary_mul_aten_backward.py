@@ -6,16 +6,10 @@ import pytest
 import torch
 
 from tests.helpers.graphs import aot_traced, call_targets as targets
+from tests.helpers.tensors import rotate_half
 from qwen_npu_compile.ops.qwen_npu import rotary_mul_aten_backward
 
 OP = rotary_mul_aten_backward.OP
-
-
-def rotate_half(x):
-    """HF ``rotate_half``."""
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def _inputs(x_shape, r_shape, dtype):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import transformers
 
 from tests.helpers.numerics import assert_parity
+from tests.helpers.tensors import meta
 from qwen_npu_compile.cli.check.models import tiny_qwen2
 from qwen_npu_compile.cli.check.parity import FP32_TOLERANCE, relative_l2
 from qwen_npu_compile import backend, get_reports
@@ -308,21 +309,17 @@ def test_sdpa_default_scale_fuses_and_unbatched_sdpa_is_refused(npu_ops):
     assert unbatched.fusions["attention"] == 0 and "must be 4-D" in _attention_refusals(unbatched)[0].reason
 
 
-def _meta(*shape, dtype=torch.float32):
-    return torch.empty(*shape, dtype=dtype, device="meta")
-
-
 @pytest.mark.parametrize(
     "q, k, v, mask, expected",
     [
-        (_meta(1, 4, 8, 1024), _meta(1, 4, 8, 1024), _meta(1, 4, 8, 1024), None, "<= 768"),
-        (_meta(1, 6, 8, 64), _meta(1, 4, 8, 64), _meta(1, 4, 8, 64), None, "not a multiple of Nkv=4"),
-        (_meta(1, 4, 8, 64, dtype=torch.float64),) * 3 + (None, "unsupported dtype torch.float64"),
-        (_meta(1, 4, 8, 64), _meta(1, 4, 8, 64, dtype=torch.bfloat16), _meta(1, 4, 8, 64), None, "dtype mismatch"),
-        (_meta(2, 4, 8, 64),) * 3 + (_meta(2, 1, 1, 8, dtype=torch.bool), "none of BNSS/B1SS/11SS/SS"),
-        (_meta(2, 4, 8, 64),) * 3 + (_meta(1, 4, 8, 8, dtype=torch.bool), "none of BNSS/B1SS/11SS/SS"),
-        (_meta(2, 4, 8, 64), _meta(2, 2, 8, 64), _meta(2, 2, 8, 64), _meta(2, 1, 8, 8, dtype=torch.bool), None),
-        (_meta(2, 4, 8, 64), _meta(2, 2, 8, 64), _meta(2, 2, 8, 64), _meta(8, 8, dtype=torch.bool), None),
+        (meta(1, 4, 8, 1024), meta(1, 4, 8, 1024), meta(1, 4, 8, 1024), None, "<= 768"),
+        (meta(1, 6, 8, 64), meta(1, 4, 8, 64), meta(1, 4, 8, 64), None, "not a multiple of Nkv=4"),
+        (meta(1, 4, 8, 64, dtype=torch.float64),) * 3 + (None, "unsupported dtype torch.float64"),
+        (meta(1, 4, 8, 64), meta(1, 4, 8, 64, dtype=torch.bfloat16), meta(1, 4, 8, 64), None, "dtype mismatch"),
+        (meta(2, 4, 8, 64),) * 3 + (meta(2, 1, 1, 8, dtype=torch.bool), "none of BNSS/B1SS/11SS/SS"),
+        (meta(2, 4, 8, 64),) * 3 + (meta(1, 4, 8, 8, dtype=torch.bool), "none of BNSS/B1SS/11SS/SS"),
+        (meta(2, 4, 8, 64), meta(2, 2, 8, 64), meta(2, 2, 8, 64), meta(2, 1, 8, 8, dtype=torch.bool), None),
+        (meta(2, 4, 8, 64), meta(2, 2, 8, 64), meta(2, 2, 8, 64), meta(8, 8, dtype=torch.bool), None),
     ],
     ids=["head_dim_1024", "nq_not_multiple_of_nkv", "fp64", "dtype_mismatch", "mask_b11s", "mask_1nss", "b1ss", "ss"],
 )
@@ -332,12 +329,12 @@ def test_check_attention_contract(q, k, v, mask, expected):
 
 
 def test_check_attention_dropout_depends_on_the_target():
-    q = k = v = _meta(1, 4, 8, 64)
+    q = k = v = meta(1, 4, 8, 64)
     assert "keep_prob == 1 only" in check_attention(q, k, v, dropout_p=0.1, target=CompileTarget("torchair", False))
     assert "deterministic" in check_attention(q, k, v, dropout_p=0.1, target=CompileTarget("aot_eager", True))
     assert "no known downstream" in check_attention(q, k, v, dropout_p=0.1, target=None)
     assert check_attention(q, k, v, dropout_p=0.1, target=CompileTarget("aot_eager", False)) is None
-    half = _meta(1, 4, 8, 64, dtype=torch.bfloat16)
+    half = meta(1, 4, 8, 64, dtype=torch.bfloat16)
     assert check_attention(half, half, half, dropout_p=0.0, target=CompileTarget("torchair", False)) is None
 
 
@@ -345,12 +342,12 @@ def test_check_attention_dropout_depends_on_the_target():
 def test_check_attention_refuses_fp32_for_torchair(downstream, simulated):
     """torchair's GE op FlashAttentionScore takes fp16/bf16 q/k/v only (torch_npu 2.13.0 REG_OP); the aclnn
     kernel behind eager torch_npu (and so aot_eager/inductor on an NPU) takes fp32."""
-    q = k = v = _meta(1, 4, 8, 64)
+    q = k = v = meta(1, 4, 8, 64)
     reason = check_attention(q, k, v, target=CompileTarget(downstream, simulated))
     assert "FlashAttentionScore" in reason and "fp16/bf16" in reason, reason
     assert check_attention(q, k, v, target=CompileTarget("aot_eager", simulated)) is None
     for dtype in (torch.float16, torch.bfloat16):
-        half = _meta(1, 4, 8, 64, dtype=dtype)
+        half = meta(1, 4, 8, 64, dtype=dtype)
         assert check_attention(half, half, half, target=CompileTarget(downstream, simulated)) is None
 
 

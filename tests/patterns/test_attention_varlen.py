@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.helpers.models import packed_row
 from tests.helpers.numerics import assert_parity
 from qwen_npu_compile import handoff
 from qwen_npu_compile.handoff import fallback
@@ -32,13 +33,6 @@ LENGTHS = (10, 7, 13, 3)
 T = sum(LENGTHS)
 OPTIONS = {"downstream": "aot_eager"}
 WHOLE_MODEL = expected_fusions(tiny_qwen2_config(**CONFIG))
-
-
-def _packed(lengths=LENGTHS, seed=0):
-    """``(input_ids [1, T], position_ids [1, T])`` of sequences of ``lengths`` packed into one row."""
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    ids = torch.randint(0, 128, positions.shape, generator=torch.Generator().manual_seed(seed))
-    return ids, positions
 
 
 @pytest.fixture
@@ -144,7 +138,7 @@ VARIANT = {
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_training_step_runs_varlen_attention(npu_ops, rewritten, aot_ops, dispatch_mode, attn, dtype):
     model = tiny_qwen2(dtype, attn=attn, **CONFIG).train()
-    ids, positions = _packed()
+    ids, positions = packed_row(LENGTHS)
     reports = assert_parity(model, ids, True, dtype, options=OPTIONS, position_ids=positions)
     (report,) = reports
     counts = {"rms_norm": 5, "swiglu": 2, "rotary": 4, "attention": 2}
@@ -171,7 +165,7 @@ def test_packed_training_step_runs_varlen_attention(npu_ops, rewritten, aot_ops,
 def test_eager_reference_step_touches_t_by_t_tensors(npu_ops):
     """The profiled step's detector is live: the uncompiled model builds and reads the T x T mask."""
     model = tiny_qwen2(torch.bfloat16, **CONFIG).train()
-    ids, positions = _packed()
+    ids, positions = packed_row(LENGTHS)
     mode = _SquareTensors(T)
     assert len(_profiled_step(model, ids, positions)) > 0
     assert len(_profiled_step(model, ids, positions, mode)) > 0 and len(mode.hits) > 0
@@ -186,7 +180,7 @@ def test_twenty_packings_compile_at_most_two_graphs(npu_ops):
     for step in range(20):
         count = int(torch.randint(1, 6, (1,), generator=generator))
         lengths = [int(n) for n in torch.randint(2, 12, (count,), generator=generator)]
-        ids, positions = _packed(lengths, seed=step)
+        ids, positions = packed_row(lengths, seed=step)
         out = compiled(input_ids=ids, position_ids=positions, labels=ids, use_cache=False)
         out.loss.backward()
         if step in (0, 19):
@@ -233,7 +227,7 @@ def test_left_padding_keeps_the_explicit_mask(npu_ops, rewritten):
 
 def test_position_ids_batch_two_keep_the_explicit_mask(npu_ops, rewritten):
     model = tiny_qwen2(torch.float32, **CONFIG)
-    _, positions = _packed((5, 7))
+    _, positions = packed_row((5, 7))
     positions = positions.expand(2, -1).contiguous()
     reasons = _explicit(model, torch.randint(0, 128, (2, 12)), rewritten, position_ids=positions)
     assert all("has batch 2: varlen attention takes one packed row" in r for r in reasons), reasons
@@ -241,7 +235,7 @@ def test_position_ids_batch_two_keep_the_explicit_mask(npu_ops, rewritten):
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral"])
 def test_sliding_window_keeps_the_explicit_mask(npu_ops, rewritten, family):
-    ids, positions = _packed((5, 7))
+    ids, positions = packed_row((5, 7))
     if family == "qwen2":
         model = tiny_qwen2(torch.float32, use_sliding_window=True, sliding_window=4, max_window_layers=0, **CONFIG)
     else:
@@ -301,7 +295,7 @@ def _qkv(seed):
     ids=["transformers_construction", "zero_rule", "edited_in_place", "edited"],
 )
 def test_hand_written_masks(npu_ops, rewritten, build, varlen, reason):
-    _, positions = _packed()
+    _, positions = packed_row(LENGTHS)
 
     def fn(q, k, v, positions):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=build(positions), scale=0.2)
@@ -337,7 +331,7 @@ def test_every_varlen_variant_fuses_its_setting(npu_ops, row):
 
     n_rep = 1 if row.kv == "mha" else 2
     module = types.SimpleNamespace(num_key_value_groups=n_rep, training=row.dropout, is_causal=True)
-    _, positions = _packed((5, 7))
+    _, positions = packed_row((5, 7))
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 12, 16, generator=generator).to(row.dtype)
     k, v = (torch.randn(1, 4 // n_rep, 12, 16, generator=generator).to(row.dtype) for _ in range(2))

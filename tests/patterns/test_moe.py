@@ -1,4 +1,4 @@
-"""MoE (issue 20): tiny Qwen3-MoE and Qwen2-MoE of transformers' real modeling code, whole model, training.
+"""MoE: tiny Qwen3-MoE and Qwen2-MoE of transformers' real modeling code, whole model, training.
 
 The experts' grouped matmuls become ``qwen_npu::grouped_matmul`` (``npu_grouped_matmul`` forward and
 backward) with ``npu_swiglu`` on the gate/up output; the router's ``softmax -> topk`` is not attention (no

@@ -15,41 +15,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 pytest.importorskip("transformers.models.qwen3_5", reason="Qwen3.5 needs transformers >= 5")
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 from tests.helpers.graphs import count_calls
+from tests.helpers.models import tiny_hybrid, tiny_hybrid_config
 from tests.helpers.numerics import assert_parity
 from qwen_npu_compile import get_reports
 from qwen_npu_compile.ops.qwen_npu import rotary_mul_aten_backward, rotary_mul_orthogonal
 from qwen_npu_compile.patterns import expected_fusions
 
-TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
-            linear_value_head_dim=32, use_cache=False)  # fmt: skip
-MOE = dict(moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2)
-MODELS = {
-    "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, {}),
-    "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM, MOE),
-    "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM, MOE),
-}
+#: the cases' model -> the tiny hybrid family built for it (Qwen3-Next with MoE blocks in every layer)
+MODELS = {"qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe", "qwen3_next": "qwen3_next_moe"}
 HYBRID = ["linear_attention", "full_attention"]
 FULL = ["full_attention"]
 FAMILIES = ("rotary", "attention")
 NPU = torch.ops.npu
-
-
-def tiny_config(model: str, layer_types=None, **overrides):
-    config_class, _, extra = MODELS[model]
-    layers = {} if layer_types is None else dict(num_hidden_layers=len(layer_types), layer_types=layer_types)
-    return config_class(**TINY, **extra, **layers, **overrides)
-
-
-def tiny_model(model: str, layer_types, dtype, attn: str):
-    torch.manual_seed(0)
-    config = tiny_config(model, layer_types)
-    return MODELS[model][1]._from_config(config, attn_implementation=attn).to(dtype)
 
 
 # -- expected counts -------------------------------------------------------------------------------------
@@ -58,11 +39,11 @@ def tiny_model(model: str, layer_types, dtype, attn: str):
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_expected_counts_follow_layer_types(model):
     """Published layout (every 4th layer full attention): 2 rotary and 1 attention per full-attention layer."""
-    config = tiny_config(model, num_hidden_layers=8)  # default layer_types: 3 linear + 1 full, twice
+    config = tiny_hybrid_config(MODELS[model], num_hidden_layers=8)  # default layer_types: 3 linear + 1 full, twice
     assert config.layer_types.count("full_attention") == 2
     assert expected_fusions(config, FAMILIES) == {"rotary": 4, "attention": 2}
-    assert expected_fusions(tiny_config(model, HYBRID * 2), FAMILIES) == {"rotary": 4, "attention": 2}
-    assert expected_fusions(tiny_config(model, FULL * 3), FAMILIES) == {"rotary": 6, "attention": 3}
+    assert expected_fusions(tiny_hybrid_config(MODELS[model], HYBRID * 2), FAMILIES) == {"rotary": 4, "attention": 2}
+    assert expected_fusions(tiny_hybrid_config(MODELS[model], FULL * 3), FAMILIES) == {"rotary": 6, "attention": 3}
     for kind, count in (("linear_attention", 0), ("full_attention", 1)):
         per_layer = expected_fusions(config, FAMILIES, per_layer=True, layer_type=kind)
         assert per_layer == {"rotary": 2 * count, "attention": count}
@@ -102,7 +83,7 @@ CASES = [
 
 @pytest.mark.parametrize("model_name,layer_types,dtype,attn,inputs,train,fusions,attention_variant", CASES)
 def test_counts_and_parity(npu_ops, model_name, layer_types, dtype, attn, inputs, train, fusions, attention_variant):
-    model = tiny_model(model_name, layer_types, dtype, attn).train(train)
+    model = tiny_hybrid(MODELS[model_name], dtype, attn, layer_types=layer_types).train(train)
     inputs, checkpointing = inputs.split("+")[0], "+checkpointing" in inputs
     if checkpointing:  # cos/sin reach the rotary as inputs of the checkpointed region's body
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -185,7 +166,7 @@ def test_torchair_training_form_follows_the_rotated_width(npu_ops, torchair_targ
 def test_torchair_training_with_sin_from_the_rotary_embedding_is_orthogonal(npu_ops, torchair_target_on_aot_eager):
     """cos/sin computed in the graph by Qwen3.5's own rotary embedding (mrope recomposition, ``cat((f, f), -1)``):
     sin's halves are proven equal, so the 16-wide rotated part takes the orthogonal form (no converter limits)."""
-    config = tiny_config("qwen3_5", FULL)
+    config = tiny_hybrid_config("qwen3_5", FULL)
     rotary_emb = modeling_qwen3_5.Qwen3_5TextRotaryEmbedding(config)
 
     def fn(q_bsnd, k_bsnd, position_ids):

@@ -319,7 +319,7 @@ def test_stand_in_backward_outputs_have_the_fake_kernels_layout(npu_ops):
     assert dx.stride() == x.stride() and dr1.stride() == r.stride() and dr2.stride() == r.stride()
 
 
-# -- partial_rotary_factor 1.0 (issue 34) ----------------------------------------------------------------------
+# -- partial_rotary_factor 1.0 (Qwen3.5 with the whole head rotated) ---------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

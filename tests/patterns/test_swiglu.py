@@ -1,4 +1,4 @@
-"""SwiGLU -> ``npu_swiglu``: the copy-free linear form (issue 12: gate_proj and up_proj written into the
+"""SwiGLU -> ``npu_swiglu``: the copy-free linear form (gate_proj and up_proj written into the
 two halves of one ``qwen_npu::gate_up_proj`` buffer, ``npu_swiglu(buf, 0)``, at every token count) with
 exact counts and parity on real Qwen2 code, the activation-cat fallback (bias/LoRA, gate used elsewhere),
 and the negatives (an activation used outside the product, mismatched dtypes). Counts on whole models

@@ -1,4 +1,4 @@
-"""The Gated DeltaNet on packed rows (issue 34): one semantics, each sequence as if alone, on every path
+"""The Gated DeltaNet on packed rows: one semantics, each sequence as if alone, on every path
 (:mod:`qwen_npu_compile.substitutions.deltanet`), and never a crash.
 
 - transformers >= 5.15 (5.24's hub wrapper): a DeltaNet given ``cu_seq_lens_q`` raises ``ValueError`` in eager
@@ -24,9 +24,10 @@ import transformers
 pytest.importorskip("transformers.models.qwen3_5", reason="Qwen3.5 needs transformers >= 5")
 from transformers.models.qwen3_5 import modeling_qwen3_5 as M
 
+from tests.helpers.fla import fla_like_chunk_gated_delta_rule
 from tests.helpers.models import tiny_hybrid
+from tests.helpers.numerics import max_abs_ratio, relative_l2, worst_relative_l2
 from qwen_npu_compile.substitutions import deltanet, varlen_attention as varlen
-from qwen_npu_compile.ops.qwen_npu import gated_delta_rule as GDR
 from qwen_npu_compile.report import SUMMARY
 from qwen_npu_compile.worker import ENV_COMPILE
 
@@ -46,10 +47,6 @@ def _deltanet(dtype=torch.float32):
     with torch.no_grad():
         module.conv1d.weight.normal_(0.0, 0.5)  # a conv that mixes neighbours visibly
     return module
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
 def _alone(module, hidden, lengths):
@@ -93,10 +90,10 @@ def test_hub_wrapper_with_cu_seq_lens_runs_each_sequence_alone(npu_ops, caplog, 
     (out.float() * _weights(out)).sum().backward()
     tol = 1e-5 if dtype == torch.float32 else 5e-2  # bf16 weights and activations against the fp32 truth
     for got, expected in zip(out.split(LENGTHS, dim=1), want):
-        assert _rel(got, expected) <= tol
+        assert max_abs_ratio(got, expected) <= tol
     grads = _grads(module)
     for name, expected in want_grads.items():
-        assert ((grads[name].float() - expected).norm() / expected.norm()).item() <= (3e-5 if tol == 1e-5 else 5e-2)
+        assert relative_l2(grads[name], expected) <= (3e-5 if tol == 1e-5 else 5e-2)
     [report] = [r for r in SUMMARY.graphs]
     assert report.fusions["gated_delta_rule"] == 1
     assert sum("eager raises ValueError" in r.getMessage() for r in caplog.records) == 1
@@ -122,16 +119,16 @@ def test_maybe_compile_packed_row_runs_each_sequence_alone(monkeypatch, npu_ops)
     alone = [loss(eager, piece, torch.arange(piece.shape[1])[None]) for piece in ids.split(LENGTHS, dim=1)]
     alone_grads = _grads(eager)
     merged = loss(eager, ids, positions)
-    assert max(_rel(g, w) for g, w in zip(merged.split(LENGTHS), alone)) > 1e-2  # eager: one sequence
+    assert max(max_abs_ratio(g, w) for g, w in zip(merged.split(LENGTHS), alone)) > 1e-2  # eager: one sequence
     eager.zero_grad(set_to_none=True)
 
     model = tiny_hybrid("qwen3_5", torch.float32).train()
     maybe_compile(model)
     logits = loss(model, ids, positions)
     for got, want in zip(logits.split(LENGTHS), alone):
-        assert _rel(got, want) <= 1e-5
+        assert max_abs_ratio(got, want) <= 1e-5
     grads = _grads(model)
-    worst = max(((grads[n] - g).norm() / g.norm()).item() for n, g in alone_grads.items())
+    worst = worst_relative_l2(grads, alone_grads)
     assert worst <= 3e-5
     kinds = [report.fusions.get("gated_delta_rule") for report in SUMMARY.graphs]
     assert kinds == [1, 0]  # one graph per layer kind: the DeltaNet layer's op, then the full-attention layer
@@ -198,16 +195,7 @@ def test_transformers_fla_bound_keeps_the_op(monkeypatch, npu_ops):
     stand-in of 0.5.2's signature, set where transformers imports FLA): the op in the graph with the offsets,
     the stand-in never called while compiled, <= 2 graphs over 10 packings, eager's results (eager is FLA)."""
     calls = []
-
-    @torch.compiler.disable
-    def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                               use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-                               allow_neg_eigval=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
-                               cp_context=None):
-        calls.append(cu_seqlens is not None)
-        out, state = GDR.reference(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm_in_kernel)
-        return out, (state if output_final_state else None)
-
+    chunk_gated_delta_rule = fla_like_chunk_gated_delta_rule(calls)
     monkeypatch.setattr(M, "chunk_gated_delta_rule", chunk_gated_delta_rule)
     assert any("(FLA) -> qwen_npu::chunk_gated_delta_rule" in line for line in deltanet.install())
     module = _deltanet()
@@ -225,6 +213,6 @@ def test_transformers_fla_bound_keeps_the_op(monkeypatch, npu_ops):
         torch._dynamo.maybe_mark_dynamic(cu, 0)
         got = compiled(hidden, cu_seq_lens_q=cu)
         assert calls == []
-        assert _rel(got, want) <= 1e-5
+        assert max_abs_ratio(got, want) <= 1e-5
     assert len(SUMMARY.graphs) <= 2
     assert all(report.fusions["gated_delta_rule"] == 1 for report in SUMMARY.graphs)

@@ -1,5 +1,5 @@
 """A whole Qwen3.5 compiled (``torch.compile(model, backend="qwen_npu")``, no ``maybe_compile``) on one row packed
-only by restarting ``position_ids`` (issue 34): the Gated DeltaNet runs each sequence as if alone, as attention
+only by restarting ``position_ids``: the Gated DeltaNet runs each sequence as if alone, as attention
 does, from attention's packing proof (``patterns/gated_delta_rule_packed.py``); eager transformers 5.24 runs the
 DeltaNet over the row as one sequence (shown to differ; one warning names it).
 
@@ -19,6 +19,7 @@ import torch
 pytest.importorskip("transformers.models.qwen3_5", reason="Qwen3.5 needs transformers >= 5")
 
 from tests.helpers.models import tiny_hybrid
+from tests.helpers.numerics import max_abs_ratio, worst_relative_l2
 from qwen_npu_compile.substitutions import deltanet
 from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.report import SUMMARY
@@ -64,14 +65,6 @@ def _alone(model, ids, lengths=LENGTHS):
     return torch.cat(outs), _grads(model)
 
 
-def _rel(got, want) -> float:
-    return ((got - want).abs().max() / want.abs().max()).item()
-
-
-def _grad_rel(got, want) -> float:
-    return max(((got[n] - g).norm() / g.norm()).item() for n, g in want.items())
-
-
 def _offsets_of_ops(graphs) -> list:
     return [node.args[5] is not None for gm in graphs for node in gm.graph.find_nodes(op="call_function", target=OP)]
 
@@ -83,15 +76,15 @@ def test_packed_row_each_sequence_as_alone_fp32(npu_ops, rewritten, caplog, monk
     truth, truth_grads = _alone(model, ids)
     merged = _step(model, ids, position_ids=positions)
     model.zero_grad(set_to_none=True)
-    assert _rel(merged[LENGTHS[0]:], truth[LENGTHS[0]:]) > 1e-2  # eager: the DeltaNet runs the row as one sequence
+    assert max_abs_ratio(merged[LENGTHS[0]:], truth[LENGTHS[0]:]) > 1e-2  # eager: the DeltaNet runs the row as one sequence
 
     compiled = torch.compile(model, backend="qwen_npu", options={"strict": True})
     with caplog.at_level(logging.WARNING, logger="qwen_npu_compile"):
         logits = _step(compiled, ids, position_ids=positions)
     grads = _grads(model)
     for got, want in zip(logits.split(LENGTHS), truth.split(LENGTHS)):
-        assert _rel(got, want) <= 1e-5
-    assert _grad_rel(grads, truth_grads) <= 3e-5
+        assert max_abs_ratio(got, want) <= 1e-5
+    assert worst_relative_l2(grads, truth_grads) <= 3e-5
     (report,) = SUMMARY.graphs
     assert report.fusions == expected_fusions(model.config)
     assert _offsets_of_ops(rewritten) == [True] * 3
@@ -110,8 +103,8 @@ def test_packed_row_bf16_as_close_to_the_truth_as_eager_alone(npu_ops):
     grads = _grads(model)
     assert SUMMARY.graphs[0].fusions == expected_fusions(model.config)
     for got, base, want in zip(logits.split(LENGTHS), eager.split(LENGTHS), truth.split(LENGTHS)):
-        assert _rel(got, want) <= 1.5 * _rel(base, want) + 1e-3
-    assert _grad_rel(grads, truth_grads) <= 1.5 * _grad_rel(eager_grads, truth_grads) + 1e-3
+        assert max_abs_ratio(got, want) <= 1.5 * max_abs_ratio(base, want) + 1e-3
+    assert worst_relative_l2(grads, truth_grads) <= 1.5 * worst_relative_l2(eager_grads, truth_grads) + 1e-3
 
 
 def _block_diagonal_mask(lengths=LENGTHS):
@@ -136,7 +129,7 @@ def test_not_packed_is_untouched(npu_ops, rewritten, case):
     with torch.no_grad():
         want = model(**kwargs).logits
         got = torch.compile(model, backend="qwen_npu", options={"strict": True})(**kwargs).logits
-    assert _rel(got, want) <= 1e-5
+    assert max_abs_ratio(got, want) <= 1e-5
     total = Counter()  # transformers 5.10.4 breaks the graph ahead of a 4-D mask passed in
     for report in SUMMARY.graphs:
         total.update(report.fusions)
@@ -162,6 +155,6 @@ def test_conditional_generation_packed_row_each_sequence_as_alone(npu_ops, rewri
         logits = torch.compile(model, backend="qwen_npu", options={"strict": True})(
             input_ids=ids, position_ids=positions).logits[0]
     for got, want in zip(logits.split(LENGTHS), truth.split(LENGTHS)):
-        assert _rel(got, want) <= 1e-5
+        assert max_abs_ratio(got, want) <= 1e-5
     assert SUMMARY.graphs[0].fusions == expected_fusions(config)
     assert _offsets_of_ops(rewritten) == [True] * 3

@@ -8,6 +8,7 @@ events exist and do nothing (the device computes synchronously); random numbers 
 from __future__ import annotations
 
 import contextlib
+import types
 from collections import namedtuple
 
 import torch
@@ -133,18 +134,17 @@ def empty_cache() -> None:
     return None
 
 
-class _Memory:
-    memory_allocated = staticmethod(memory_allocated)
-    max_memory_allocated = staticmethod(max_memory_allocated)
-    memory_reserved = staticmethod(memory_reserved)
-    max_memory_reserved = staticmethod(max_memory_reserved)
-    reset_peak_memory_stats = staticmethod(reset_peak_memory_stats)
-    empty_cache = staticmethod(empty_cache)
-    mem_get_info = staticmethod(mem_get_info)
-    memory_stats = staticmethod(memory_stats)
+def _submodule(name: str, *functions) -> types.ModuleType:
+    """``torch.npu.<name>`` holding ``functions`` (torch_npu's ``torch.npu.memory`` and ``torch.npu.random`` hold
+    the same functions as ``torch.npu``)."""
+    module = types.ModuleType(f"{__name__}.{name}")
+    for function in functions:
+        setattr(module, function.__name__, function)
+    return module
 
 
-memory = _Memory()
+memory = _submodule("memory", memory_allocated, max_memory_allocated, memory_reserved, max_memory_reserved,
+                    reset_peak_memory_stats, empty_cache, mem_get_info, memory_stats)
 
 
 # ---- random numbers: the kernels run on the CPU, so the CPU generator is the device's ----
@@ -184,18 +184,8 @@ def set_rng_state_all(new_states) -> None:
     set_rng_state(new_states[0])
 
 
-class _Random:
-    manual_seed = staticmethod(manual_seed)
-    manual_seed_all = staticmethod(manual_seed_all)
-    get_rng_state = staticmethod(get_rng_state)
-    set_rng_state = staticmethod(set_rng_state)
-    get_rng_state_all = staticmethod(get_rng_state_all)
-    set_rng_state_all = staticmethod(set_rng_state_all)
-    initial_seed = staticmethod(initial_seed)
-    seed = staticmethod(seed)
-
-
-random = _Random()
+random = _submodule("random", manual_seed, manual_seed_all, get_rng_state, set_rng_state, get_rng_state_all,
+                    set_rng_state_all, initial_seed, seed)
 
 
 # ---- streams and events: synchronous device ----

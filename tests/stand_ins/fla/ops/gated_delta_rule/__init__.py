@@ -14,6 +14,8 @@ gradients, as FLA's autograd function does).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 import fla
@@ -145,29 +147,27 @@ def chunk_gated_delta_rule_0_5_2(
                 cp_context, kwargs)
 
 
-def chunk_gated_delta_rule_0_6_0(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_beta_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
-    state_v_first: bool = False,
-    cu_seqlens: torch.LongTensor | None = None,
-    cu_seqlens_cpu: torch.LongTensor | None = None,
-    chunk_indices: torch.LongTensor | None = None,
-    cp_context=None,
-    **kwargs,
-):
-    """fla-core 0.6.0's signature (``fla/ops/gated_delta_rule/chunk.py``): 0.5.2's plus ``chunk_indices``."""
-    return _run("0.6.0", q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu,
-                chunk_indices, cp_context, kwargs)
+def _with_chunk_indices(entry):
+    """fla-core 0.6.0's entry (``fla/ops/gated_delta_rule/chunk.py``): ``entry``'s (0.5.2's) parameters plus
+    ``chunk_indices: LongTensor | None = None`` before ``cp_context``, the call bound by that signature."""
+    base = inspect.signature(entry)
+    parameters = list(base.parameters.values())
+    parameters.insert([p.name for p in parameters].index("cp_context"),
+                      inspect.Parameter("chunk_indices", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
+                                        annotation="torch.LongTensor | None"))
+    signature = base.replace(parameters=parameters)
+
+    def chunk_gated_delta_rule_0_6_0(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        return _run("0.6.0", kwargs=arguments.pop("kwargs"), **arguments)
+
+    chunk_gated_delta_rule_0_6_0.__signature__ = signature
+    return chunk_gated_delta_rule_0_6_0
+
+
+chunk_gated_delta_rule_0_6_0 = _with_chunk_indices(chunk_gated_delta_rule_0_5_2)
 
 
 for _function in (chunk_gated_delta_rule_0_5_2, chunk_gated_delta_rule_0_6_0):

@@ -29,7 +29,7 @@ cos/sin; the mask, ``None`` for one causal sequence), and the layer is then call
 * ``hf_checkpointing``: transformers' gradient checkpointing (``gradient_checkpointing_enable(use_reentrant=False)``:
   the layer under non-reentrant :func:`torch.utils.checkpoint.checkpoint`), which saves the layer's positional inputs.
 
-**How saved bytes are counted** (:class:`SavedStorages`): the layer call runs under
+**How saved bytes are counted** (:class:`benchmarks.saved_tensors.SavedStorages`): the layer call runs under
 :func:`torch.autograd.graph.saved_tensors_hooks`, whose pack hook sees every tensor autograd saves for the backward
 (ATen ops' saved variables, ``ctx.save_for_backward`` of the npu stand-ins and of AOTAutograd's compiled function,
 checkpoint's saved inputs). Tensors are grouped by storage (views of one buffer count once, the whole storage's
@@ -44,12 +44,13 @@ figure without it.
 inputs are fake: shapes, dtypes and storages, no data): a fake tensor has a storage of the real size, views share it,
 and autograd saves the same tensors, so the counts are those of a real run. :func:`cross_check` proves it on the
 tiny configs (real tensors, S = 64, against fake ones: equal bytes per setting and layer), and for the compiled
-settings the hook count is checked against the AOT backward graph's saved inputs (:func:`graph_saved`, their
+settings the hook count is checked against the AOT backward graph's saved inputs
+(:func:`benchmarks.saved_tensors.graph_saved`, their
 producers through views deduplicated) in every run.
 
-**Modelled time** (Atlas A2: 1.6 TB/s HBM, 353.9 TFLOPS BF16 Cube, :data:`benchmarks.traffic.BANDWIDTH` /
-:data:`benchmarks.traffic.PEAK`; roofline :func:`benchmarks.traffic.kernel_time` per kernel, the traffic tables'
-model): ``recompute_ms`` = the roofline time of the AOT graphs of ``recompute="cheap"`` minus that of ``"none"``
+**Modelled time** (Atlas A2: 1.6 TB/s HBM, 353.9 TFLOPS BF16 Cube, the CANN developer guide's figures,
+:data:`benchmarks.cost_model.BANDWIDTH` / :data:`benchmarks.cost_model.PEAK`; roofline
+:func:`benchmarks.cost_model.kernel_time` per kernel, the traffic tables' model): ``recompute_ms`` = the roofline time of the AOT graphs of ``recompute="cheap"`` minus that of ``"none"``
 (forward + backward; the recomputed kernels in the backward, :func:`recompute_ops` lists them), the Gated DeltaNet's
 delta rule costed on FLA's kernels (:func:`benchmarks.qwen3_5_traffic.cost_delta_rule`, identical in both).
 Checkpointing recomputes the whole layer forward: its ``recompute_ms`` is qwen_npu's forward roofline
@@ -82,18 +83,18 @@ from pathlib import Path
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from qwen_npu_compile.graph import canonicalize, emit
 from qwen_npu_compile import compat, ensure_npu_ops
-from qwen_npu_compile.handoff import recompute
 from qwen_npu_compile.cli.check.models import resolve_model_config, tiny_qwen2_config, with_layers
-from qwen_npu_compile.config import ALL_FAMILIES, QwenNpuConfig
-from qwen_npu_compile.fusion.manager import fuse
+from qwen_npu_compile.config import ALL_FAMILIES
+from qwen_npu_compile.handoff import recompute
 
-from . import moe_traffic, qwen3_5_traffic, traffic
-from .common import MIB, run_metadata, write_json
-from .traffic import BANDWIDTH, PEAK, MODELLED_TARGET
+from . import moe_traffic, qwen3_5_traffic
+from .capture import LayerVariant, fresh_capture, fused_aten_graph, record_aot
+from .common import MIB
+from .cost_model import BANDWIDTH, PEAK
+from .saved_tensors import SavedStorages, graph_saved, split_saved
+from .tables import subtract
 from .verl_moe_patch import verl_moe_patches
 from .verl_patch import npu_flash_attention_2, verl_patches
 from .verl_qwen3_5_patch import verl_qwen3_5_patches
@@ -189,140 +190,13 @@ def one_layer_config(case: LayerCase, config):
 
 
 # ----------------------------------------------------------------------------------------------------
-# counting
-
-
-def _storage_key(tensor: torch.Tensor) -> int:
-    """One key per storage (fake tensors have storages too; views share their base's)."""
-    return StorageWeakRef(tensor.untyped_storage()).cdata
-
-
-def _storage_bytes(tensor: torch.Tensor) -> int:
-    return int(tensor.untyped_storage().nbytes())
-
-
-class SavedStorages:
-    """The storages autograd saves for the backward inside the block (``saved_tensors_hooks``), by storage.
-
-    ``entries[key] = {"bytes": storage bytes, "tensors": [(shape, dtype, producer)]}``; the tensors are kept
-    referenced until :meth:`release`, so that no storage key is reused while counting.
-    """
-
-    def __init__(self):
-        self.entries: dict[int, dict] = {}
-        self._keep: list[torch.Tensor] = []
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(tensor)
-        entry = self.entries.setdefault(key, {"bytes": _storage_bytes(tensor), "tensors": []})
-        producer = type(tensor.grad_fn).__name__ if tensor.grad_fn is not None else None
-        entry["tensors"].append((tuple(int(s) for s in tensor.shape), str(tensor.dtype).replace("torch.", ""),
-                                 producer))
-        self._keep.append(tensor)
-        return tensor
-
-    @contextlib.contextmanager
-    def recording(self) -> Iterator[None]:
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor):
-            yield
-
-    def release(self) -> None:
-        self._keep.clear()
+# running one layer
 
 
 def _tensors_in(value) -> list[torch.Tensor]:
     leaves = torch.utils._pytree.tree_leaves(value)
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
-
-def split_saved(saved: SavedStorages, params: Sequence[torch.Tensor], layer_input: torch.Tensor,
-                shared: Sequence[torch.Tensor]) -> dict:
-    """Sort the saved storages into parameters, per-forward shared inputs, the layer input and the layer's own.
-
-    Returns:
-        ``{"activation_bytes", "activation_excluding_input_bytes", "layer_input_bytes", "constant_bytes", "storages",
-        "excluded": {"parameter_bytes", "shared_input_bytes"}, "tensors": [...]}``; bytes are ints.
-        ``constant_bytes``: the part of ``activation_bytes`` that does not grow with the tokens, the compressed causal
-        mask (:data:`COMPRESSED_MASK_SHAPE`) a per-layer graph builds and saves. ``tensors`` lists every counted
-        storage (``bytes``, ``shape``, ``dtype``, ``producer``: the autograd node that made it, None for a tensor
-        made without grad or by a compiled graph, whose producers :func:`graph_saved` names; ``role``; ``saved_as``:
-        how many saved tensors view it), largest first.
-    """
-    param_keys = {_storage_key(p) for p in params}
-    input_key = _storage_key(layer_input)
-    shared_keys = {_storage_key(t) for t in shared} - {input_key}
-    out = {"activation_bytes": 0, "activation_excluding_input_bytes": 0, "layer_input_bytes": 0, "constant_bytes": 0,
-           "storages": 0,
-           "excluded": {"parameter_bytes": 0, "shared_input_bytes": 0}, "tensors": []}
-    for key, entry in saved.entries.items():
-        if key in param_keys:
-            out["excluded"]["parameter_bytes"] += entry["bytes"]
-            continue
-        if key in shared_keys:
-            out["excluded"]["shared_input_bytes"] += entry["bytes"]
-            continue
-        role = "layer input" if key == input_key else "activation"
-        shape, dtype, producer = entry["tensors"][0]
-        if (shape, dtype) == (COMPRESSED_MASK_SHAPE, "bool"):
-            role = "compressed causal mask"
-            out["constant_bytes"] += entry["bytes"]
-        out["activation_bytes"] += entry["bytes"]
-        out["storages"] += 1
-        if role == "layer input":
-            out["layer_input_bytes"] += entry["bytes"]
-        else:
-            out["activation_excluding_input_bytes"] += entry["bytes"]
-        out["tensors"].append({"bytes": entry["bytes"], "shape": list(shape), "dtype": dtype, "producer": producer,
-                               "role": role, "saved_as": len(entry["tensors"])})
-    out["tensors"].sort(key=lambda t: -t["bytes"])
-    return out
-
-
-#: ``npu_fusion_attention``'s compressed causal mask (sparse modes 2/3: ``[2048, 2048]`` bool, torch_npu 2.13.0 docs):
-#: the one saved storage whose size does not grow with the tokens.
-COMPRESSED_MASK_SHAPE = (2048, 2048)
-
-_VIEW_LIKE = frozenset({torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default})
-
-
-def _base(node: torch.fx.Node) -> torch.fx.Node:
-    """The node whose output buffer ``node`` views (through view ops), at runtime the same storage."""
-    while (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-           and (node.target.is_view or node.target in _VIEW_LIKE)):
-        node = node.args[0]
-    return node
-
-
-def graph_saved(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule) -> dict:
-    """What an AOT partition saves, from its graphs: the backward graph's inputs other than tangents, each
-    traced through views to the forward node that made its buffer (one entry per buffer).
-
-    Returns:
-        ``{"intermediate_bytes": bytes of buffers made in the forward graph, "input_saved": [shapes of forward
-        graph inputs saved (parameters, the layer input, cos/sin)], "tensors": [{"node", "op", "shape", "dtype",
-        "bytes"}], largest first}``.
-    """
-    nodes = {node.name: node for node in forward.graph.nodes}
-    seen: dict[torch.fx.Node, dict] = {}
-    inputs = []
-    for placeholder in backward.graph.find_nodes(op="placeholder"):
-        if placeholder.name.startswith("tangents") or not isinstance(placeholder.meta.get("val"), torch.Tensor):
-            continue
-        base = _base(nodes[placeholder.name])
-        value = base.meta["val"]
-        if base.op == "placeholder":
-            inputs.append([int(s) for s in value.shape])
-            continue
-        if base not in seen:
-            seen[base] = {"node": base.name, "op": str(base.target), "shape": [int(s) for s in value.shape],
-                          "dtype": str(value.dtype).replace("torch.", ""),
-                          "bytes": int(value.untyped_storage().nbytes())}
-    tensors = sorted(seen.values(), key=lambda t: -t["bytes"])
-    return {"intermediate_bytes": sum(t["bytes"] for t in tensors), "input_saved": inputs, "tensors": tensors}
-
-
-# ----------------------------------------------------------------------------------------------------
-# running one layer
 
 
 class _Stop(Exception):
@@ -332,13 +206,13 @@ class _Stop(Exception):
 @contextlib.contextmanager
 def _setting_context(case: LayerCase, setting: str, model, tokens: int) -> Iterator[None]:
     """verl's patches and NPU flash attention for ``verl``; for qwen_npu, the DeltaNet substitution (decided while
-    Dynamo traces: :func:`benchmarks.traffic.fresh_capture`); nothing else."""
+    Dynamo traces: :func:`benchmarks.capture.fresh_capture`); nothing else."""
     if setting == "verl":
         with _verl_patches(case)(), npu_flash_attention_2(model, (tokens,)):
             yield
     elif setting.startswith("qwen_npu"):
-        variant = traffic.LayerVariant(setting, tuple(ALL_FAMILIES), False, setting)
-        with traffic.fresh_capture([variant], _verl_patches(case)):
+        variant = LayerVariant(setting, tuple(ALL_FAMILIES), False, setting)
+        with fresh_capture([variant], _verl_patches(case)):
             yield
         torch._dynamo.reset()
     else:
@@ -367,23 +241,13 @@ def _qwen_npu_backend(setting: str, slot: dict):
     """A torch.compile backend: qwen_npu's passes (every family, torchair's checks), then AOTAutograd with
     qwen_npu's partition for ``recompute`` = ``setting``; records the AOT graphs and the recompute counts in
     ``slot`` and returns the compiled function (so that running it saves what the partition saves)."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch import config as functorch_config
-
     def backend(gm: torch.fx.GraphModule, example_inputs):
-        fake_mode = torch._guards.detect_fake_mode(example_inputs)
-        graph = canonicalize.to_aten_graph(gm, example_inputs)
-        result = fuse(graph, QwenNpuConfig(fusions=frozenset(ALL_FAMILIES)), target=MODELLED_TARGET)
-        emit.finalize(graph)
+        graph, inputs, result = fused_aten_graph(gm, example_inputs, ALL_FAMILIES)
         slot["fusions"] = {f: n for f, n in result.fusions.items() if n}
-        inputs = [*example_inputs, *(fake_mode.from_tensor(c) for c in emit.lift_constants(graph))]
         slot["recomputed"] = {}
         partition = recompute.partition_fn(setting, compat.default_partition,
                                            lambda counts: slot["recomputed"].update(counts))
-        with functorch_config.patch(force_non_lazy_backward_lowering=True):
-            return aot_autograd(fw_compiler=traffic.recording_compiler(slot, "forward"),
-                                bw_compiler=traffic.recording_compiler(slot, "backward"),
-                                partition_fn=partition)(graph, inputs)
+        return record_aot(slot, graph, inputs, partition)
 
     return backend
 
@@ -399,7 +263,8 @@ def measure_layer(case: LayerCase, config, setting: str, tokens: int, dtype: tor
         fake: build and run under a FakeTensorMode (False: real tensors, seeded: the cross-check).
 
     Returns:
-        :func:`split_saved`'s dict plus ``tokens``; the qwen_npu settings add ``graph`` (:func:`graph_saved`),
+        :func:`~benchmarks.saved_tensors.split_saved`'s dict plus ``tokens``; the qwen_npu settings add ``graph``
+        (:func:`~benchmarks.saved_tensors.graph_saved`),
         ``fusions``, ``recomputed`` (per cheap op, its forward calls recomputed) and, not JSON, ``_graphs``
         (the AOT forward and backward graphs).
     """
@@ -456,7 +321,7 @@ def _roofline_ms(table: dict[str, dict]) -> float:
 
 def layer_roofline(graphs: dict[str, torch.fx.GraphModule]) -> dict[str, float]:
     """``{"forward", "backward", "total"}`` roofline ms of one layer's AOT graphs (Atlas A2 figures,
-    :func:`benchmarks.traffic.kernel_time`)."""
+    :func:`benchmarks.cost_model.kernel_time`)."""
     fw, bw = _roofline_ms(_counts(graphs["forward"])), _roofline_ms(_counts(graphs["backward"]))
     return {"forward": fw, "backward": bw, "total": fw + bw}
 
@@ -466,7 +331,7 @@ def recompute_ops(none: dict[str, torch.fx.GraphModule], cheap: dict[str, torch.
     none's (forward and backward together), largest first."""
     rows = []
     for kind in ("forward", "backward"):
-        for op, row in traffic.subtract(_counts(cheap[kind]), _counts(none[kind])).items():
+        for op, row in subtract(_counts(cheap[kind]), _counts(none[kind])).items():
             rows.append({"graph": kind, "op": op, "kernels": row["kernels"],
                          "bytes": row["bytes_read"] + row["bytes_written"], "roofline_ms": row["roofline_ps"] * 1e-9})
     return sorted(rows, key=lambda r: -r["roofline_ms"])

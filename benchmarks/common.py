@@ -54,6 +54,12 @@ def run_metadata(command: str | None = None) -> dict:
     }
 
 
+def with_run_metadata(payload: dict, command: str, quick: bool, seconds: float) -> dict:
+    """A results file's content: ``meta`` (:func:`run_metadata` of ``command``, whether the run was ``--quick``, the
+    part's wall time ``part_seconds`` rounded to 0.1 s), then ``payload``."""
+    return {"meta": {**run_metadata(command), "quick": quick, "part_seconds": round(seconds, 1)}, **payload}
+
+
 def write_json(path: Path, data: dict) -> Path:
     """Write ``data`` as indented JSON (via a ``.tmp`` file, so a crash never leaves half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
-"""Part 2: what our canonicalize + fuse stages cost, against Dynamo capture and AOTAutograd.
+"""What our canonicalize + fuse stages cost, against Dynamo capture and AOTAutograd: wall seconds on this host and
+their ratios.
 
 For tiny-width Qwen2 models (hidden 64, 4 heads, 2 KV heads, bf16, B=2, S=32, training: forward, LM
 loss and backward) with 2, 8 and 24 layers, every sample is one ``torch.compile`` (after
@@ -106,7 +107,7 @@ def time_sample(model, input_ids) -> dict:
 
 
 def run(quick: bool = False) -> dict:
-    """Part 2 for 2, 8 and 24 layers, 3 repeats (``quick``: 1 and 2 layers, 1 repeat, no warm-up).
+    """The compile cost for 2, 8 and 24 layers, 3 repeats (``quick``: 1 and 2 layers, 1 repeat, no warm-up).
 
     Returns:
         The ``compile_cost.json`` payload: raw samples, medians, ratios and growth fits.

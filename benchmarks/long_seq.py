@@ -34,7 +34,7 @@ from pathlib import Path
 from benchmarks.common import MIB, median, progress, run_metadata, write_json
 
 RESULTS = Path(__file__).parent / "results" / "long_seq.json"
-#: The checks run: the issue's command (at the full vocab of 151,936 its logits alone need ~10 GiB: the memory
+#: The checks run: the command a user runs first (at the full vocab of 151,936 its logits alone need ~10 GiB: the memory
 #: estimate may refuse it, exit status 2, recorded as such), then the same with a 4096-row vocab (no fused op sees
 #: the vocab dimension; ``check --vocab-size``).
 CHECK_COMMANDS = (["check", "qwen2.5-0.5b", "--layers", "2", "--seq-len", "4096"],
@@ -64,6 +64,17 @@ class PeakRss:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, _rss_bytes())
+
+
+def timed(call, steps: int) -> tuple[list[float], PeakRss]:
+    """``steps`` calls of ``call``: the seconds of each, and the :class:`PeakRss` of them all."""
+    times = []
+    with PeakRss() as rss:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
+    return times, rss
 
 
 def layer_pair_config(vocab_size: int = 4096, layer_types=("linear_attention", "full_attention")):
@@ -106,13 +117,9 @@ def one_mode(mode: str, seq_len: int, steps: int, attention: str, layer_types) -
     t0 = time.perf_counter()
     step()
     warmup = time.perf_counter() - t0
-    times = []
-    with PeakRss() as rss:
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-    out = {"package": str(Path(qwen_npu_compile.__file__).parent), "warmup_s": round(warmup, 2), "step_s": [round(t, 3) for t in times], "median_step_s": round(median(times), 3),
+    times, rss = timed(step, steps)
+    out = {"package": str(Path(qwen_npu_compile.__file__).parent), "warmup_s": round(warmup, 2),
+           "step_s": [round(t, 3) for t in times], "median_step_s": round(median(times), 3),
            "peak_rss_growth_mib": round((rss.peak - rss.start) / MIB, 1)}
     if mode == "compiled":
         fusions: dict[str, int] = {}
@@ -162,12 +169,7 @@ def one_op(kind: str, seq_len: int, steps: int) -> dict:
             probability_grads(q, k, v, do, p, scale, n // nkv)
 
     call()
-    times = []
-    with PeakRss() as rss:
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - t0)
+    times, rss = timed(call, steps)
     return {"median_s": round(median(times), 3), "peak_rss_growth_mib": round((rss.peak - rss.start) / MIB, 1)}
 
 

@@ -1,6 +1,6 @@
 """Kernels, HBM traffic and roofline per MoE decoder layer (Qwen3-30B-A3B): transformers' default, verl-style, qwen_npu.
 
-Issue 20's evidence. Usage (from the repository root; ~minutes on a 2-core host, nothing allocated at full size)::
+Usage (from the repository root; ~minutes on a 2-core host, nothing allocated at full size)::
 
     python -m benchmarks.moe_traffic --out benchmarks/results          # Qwen3-30B-A3B, T = 4096
     python -m benchmarks.moe_traffic --quick --out /tmp/moe            # tiny Qwen3-MoE, seconds
@@ -8,10 +8,15 @@ Issue 20's evidence. Usage (from the repository root; ~minutes on a 2-core host,
 writes ``<out>/moe_traffic.json``; ``python -m benchmarks.markdown benchmarks/results/moe_traffic.json`` prints the
 README table. One progress line per row goes to stderr (logger ``benchmarks.moe_traffic``).
 
-How the graphs are built (as :mod:`benchmarks.traffic` builds the dense rows; read its docstring for the counting
-rules, which are reused unchanged: :func:`~benchmarks.traffic.graph_counts`, :func:`~benchmarks.traffic.node_bytes`,
-:func:`~benchmarks.traffic.kernel_flops`, :func:`~benchmarks.traffic.kernel_time`, :func:`~benchmarks.traffic.subtract`,
-:func:`~benchmarks.traffic.summarize`):
+Units: kernels (counts), bytes (non-matmul kernels' reads + writes), FLOPs (Cube), ``est_ms`` and ``roofline_ms``
+(milliseconds at the Atlas A2's HBM bandwidth and Cube peak, the CANN developer guide's figures:
+:data:`~benchmarks.cost_model.BANDWIDTH`, :data:`~benchmarks.cost_model.PEAK`), per decoder layer and graph kind.
+
+How the graphs are built (:mod:`benchmarks.capture`, as for the dense rows of :mod:`benchmarks.traffic`) and counted
+(:mod:`benchmarks.cost_model`, whose docstring has the counting rules, reused unchanged:
+:func:`~benchmarks.cost_model.graph_counts`, :func:`~benchmarks.cost_model.node_bytes`,
+:func:`~benchmarks.cost_model.kernel_flops`, :func:`~benchmarks.cost_model.kernel_time`; per layer
+:func:`~benchmarks.tables.subtract`, :func:`~benchmarks.tables.summarize`):
 
 1. A :class:`transformers.Qwen3MoeModel` with ``L`` decoder layers (every layer sparse: Qwen3-30B-A3B has
    ``decoder_sparse_step=1``, no ``mlp_only_layers``) under a :class:`~torch._subclasses.fake_tensor.FakeTensorMode`,
@@ -38,9 +43,9 @@ Variants (:data:`MOE_VARIANTS`):
   turns both grouped matmuls into ``qwen_npu::grouped_matmul`` (backward: ``npu_grouped_matmul`` dx / dW) with
   ``npu_swiglu`` reading the gate_up output directly (no ``cat``), and the routing into convertible ops.
 
-Counting additions for MoE (in :mod:`benchmarks.traffic`): the grouped matmuls
-(:data:`~benchmarks.traffic.GROUPED_MATMUL_OP_NAMES`) are matmuls, with ``2·M·K·N`` FLOPs over their groups
-(:func:`~benchmarks.traffic._grouped_matmul_flops`): per layer ``6·S·H·I`` forward (gate_up ``2·S·H·2I`` + down
+Counting additions for MoE (in :mod:`benchmarks.cost_model`): the grouped matmuls
+(:data:`~benchmarks.cost_model.GROUPED_MATMUL_OP_NAMES`) are matmuls, with ``2·M·K·N`` FLOPs over their groups
+(:func:`~benchmarks.cost_model.grouped_matmul_flops`): per layer ``6·S·H·I`` forward (gate_up ``2·S·H·2I`` + down
 ``2·S·I·H``, S = T·k routed rows) and ``12·S·H·I`` backward (dx and dW of each), in every variant. Like every matmul,
 their bytes (x, all ``E`` experts' weights, output) enter the roofline only: at T = 4096, k = 8 an expert gets
 ``T·k/E = 256`` rows on average, so the grouped matmuls are about as memory- as compute-bound.
@@ -72,16 +77,17 @@ import torch.fx
 from qwen_npu_compile.cli.check.models import resolve_model_config, with_layers
 from qwen_npu_compile.config import ALL_FAMILIES
 
-from . import traffic
-from .common import MIB, run_metadata, write_json
-from .traffic import BANDWIDTH, GROUPED_MATMUL_OP_NAMES, PEAK
+from .capture import LayerVariant, capture_layers
+from .common import MIB, with_run_metadata, write_json
+from .cost_model import BANDWIDTH, GROUPED_MATMUL_OP_NAMES, PEAK, classify, schema_name
+from .tables import est_ms, graph_kinds, layer_row, per_kind, per_layer_splits, row_line
 from .verl_moe_patch import SOURCES as VERL_MOE_SOURCES
 from .verl_moe_patch import verl_moe_patches
 from .verl_patch import FA2_SOURCES
 
 log = logging.getLogger(__name__)
 
-#: The model and shape of the full run (issue 20): Qwen3-30B-A3B (E = 128 experts, top-k = 8), T = 4096 tokens.
+#: The model and shape of the full run: Qwen3-30B-A3B (E = 128 experts, top-k = 8), T = 4096 tokens.
 MODEL = "qwen3-30b-a3b"
 TOKENS = 4096
 #: The quick run: a tiny Qwen3-MoE (hidden 64, 4 experts, top-2, head_dim 64; ``tests/conftest.py``'s ``tiny_moe``
@@ -100,7 +106,7 @@ assert set(GROUPED_MM_LABELS.values()) == GROUPED_MATMUL_OP_NAMES
 
 #: One way of running Qwen3-MoE (module docstring); ``verl``: verl's Qwen3-MoE ``npu_patch``
 #: (:func:`benchmarks.verl_moe_patch.verl_moe_patches`), whose graph goes to AOTAutograd as it is (no canonicalization).
-MoeVariant = traffic.LayerVariant
+MoeVariant = LayerVariant
 
 
 #: One row per variant: data (the MoE and Qwen3.5 benchmarks' variant tables share their shape, not logic).
@@ -117,10 +123,6 @@ MOE_VARIANTS = (
                "qwen_npu, every family: rms_norm, moe (qwen_npu.grouped_matmul, npu_swiglu without cat, routing in "
                "convertible ops), swiglu, rotary, attention"),
 )
-
-
-def _kinds(inference: bool) -> tuple[str, ...]:
-    return ("forward",) if inference else ("forward", "backward")
 
 
 def build_moe_graphs(config, layers: int, variants: Sequence[MoeVariant], tokens: int, dtype: torch.dtype,
@@ -148,17 +150,14 @@ def build_moe_graphs(config, layers: int, variants: Sequence[MoeVariant], tokens
     """
     from transformers.models.qwen3_moe import modeling_qwen3_moe
 
-    return traffic.capture_layers(modeling_qwen3_moe.Qwen3MoeModel, with_layers(config, layers), variants, tokens, dtype, inference, verl_moe_patches, canonical=lambda variant: not variant.verl)
-
-
-def _schema(node: torch.fx.Node) -> str | None:
-    target = node.target
-    return target._schema.name if isinstance(target, torch._ops.OpOverload) else None
+    return capture_layers(modeling_qwen3_moe.Qwen3MoeModel, with_layers(config, layers), variants, tokens, dtype,
+                          inference, verl_moe_patches, canonical=lambda variant: not variant.verl)
 
 
 def _producer_through_views(node: torch.fx.Node) -> torch.fx.Node:
-    """The first non-free node above ``node`` through single-input view/free ops (``traffic.classify``)."""
-    while traffic.classify(node) == "free" and node.args and isinstance(node.args[0], torch.fx.Node):
+    """The first non-free node above ``node`` through single-input view/free ops
+    (:func:`~benchmarks.cost_model.classify`)."""
+    while classify(node) == "free" and node.args and isinstance(node.args[0], torch.fx.Node):
         node = node.args[0]
     return node
 
@@ -172,12 +171,12 @@ def swiglu_cat_inputs(gm: torch.fx.GraphModule) -> dict[str, int]:
     """
     out = {"npu_swiglu": 0, "fed_by_cat": 0, "fed_by_grouped_matmul": 0}
     for node in gm.graph.nodes:
-        if node.op != "call_function" or _schema(node) != "npu::npu_swiglu":
+        if node.op != "call_function" or schema_name(node) != "npu::npu_swiglu":
             continue
         out["npu_swiglu"] += 1
         source = _producer_through_views(node.args[0])
-        out["fed_by_cat"] += _schema(source) == "aten::cat"
-        out["fed_by_grouped_matmul"] += _schema(source) in GROUPED_MATMUL_OP_NAMES
+        out["fed_by_cat"] += schema_name(source) == "aten::cat"
+        out["fed_by_grouped_matmul"] += schema_name(source) in GROUPED_MATMUL_OP_NAMES
     return out
 
 
@@ -230,10 +229,6 @@ def expected_grouped_mm_flops(config, tokens: int) -> dict[str, int]:
     return {"forward": forward, "backward": 2 * forward}
 
 
-def _ms(num_bytes: float) -> float:
-    return num_bytes / BANDWIDTH["bytes_per_second"] * 1e3
-
-
 def per_layer_rows(config, tokens: int, dtype: torch.dtype, inference: bool,
                    variants: Iterable[MoeVariant] = MOE_VARIANTS) -> dict[str, dict]:
     """Every variant's per-layer row for one mode (training or inference); one progress line per row.
@@ -245,16 +240,16 @@ def per_layer_rows(config, tokens: int, dtype: torch.dtype, inference: bool,
         ``by_op`` (the per-op tables) and ``capture_seconds``.
     """
     variants = list(variants)
-    kinds = _kinds(inference)
+    kinds = graph_kinds(inference)
     mode = "inference" if inference else "training"
     rows = {}
-    splits = traffic.per_layer_splits(lambda n, group: build_moe_graphs(config, n, group, tokens, dtype, inference),
-                                      variants, inference)
+    splits = per_layer_splits(lambda n, group: build_moe_graphs(config, n, group, tokens, dtype, inference),
+                              variants, inference)
     for variant, g1, g2, layer, seconds in splits:
         swiglu = {kind: {k: swiglu_cat_inputs(g2[kind])[k] - swiglu_cat_inputs(g1[kind])[k]
                          for k in ("npu_swiglu", "fed_by_cat", "fed_by_grouped_matmul")} for kind in kinds}
-        row = traffic.layer_row(variant, g1, g2, layer, seconds, after={
-            "flops": {"grouped_mm_flops": traffic.per_kind(kinds, lambda k: grouped_mm_flops(layer[k]))},
+        row = layer_row(variant, g1, g2, layer, seconds, after={
+            "flops": {"grouped_mm_flops": per_kind(kinds, lambda k: grouped_mm_flops(layer[k]))},
             "roofline_ms_by_category": {
                 "grouped_mm": {kind: grouped_mm_counts(layer[kind]) for kind in kinds},
                 "swiglu": swiglu,
@@ -263,15 +258,15 @@ def per_layer_rows(config, tokens: int, dtype: torch.dtype, inference: bool,
             },
         })
         copies = row["grad_layout_copies"]["bytes"]
-        row["grad_layout_copies"]["ms"] = _ms(copies)
+        row["grad_layout_copies"]["ms"] = est_ms(copies)
         row["with_grad_layout_copies"] = {"bytes": row["bytes"]["total"] + copies,
-                                          "est_ms": _ms(row["bytes"]["total"] + copies),
-                                          "roofline_ms": row["roofline_ms"]["total"] + _ms(copies)}
+                                          "est_ms": est_ms(row["bytes"]["total"] + copies),
+                                          "roofline_ms": row["roofline_ms"]["total"] + est_ms(copies)}
         rows[variant.name] = row
         gmm = "; ".join(f"{k} " + ", ".join(f"{label} {n}" for label, n in row["grouped_mm"][k].items() if n)
                         for k in kinds)
         log.info("moe traffic: %s %s %s: %s; grouped matmuls %s; grad layout copies %s MiB",
-                 MODEL if tokens == TOKENS else "tiny", mode, variant.name, traffic.row_line(row), gmm,
+                 MODEL if tokens == TOKENS else "tiny", mode, variant.name, row_line(row), gmm,
                  f"{row['grad_layout_copies']['bytes'] / MIB:,.0f}")
     return {v.name: rows[v.name] for v in variants}
 
@@ -328,16 +323,16 @@ def run(quick: bool = False) -> dict:
         "verl_attention_sources": list(FA2_SOURCES),
         "variants": {v.name: v.description for v in MOE_VARIANTS},
         "definitions": {
-            "per_layer": "graph(L=2) - graph(L=1), op by op (benchmarks.traffic.subtract); every layer is a sparse MoE layer",
-            "kernels": "as benchmarks.traffic: call_function nodes on ATen/npu ops returning a tensor, views excluded",
-            "bytes": "non-matmul kernels' tensor inputs + outputs (benchmarks.traffic.node_bytes); bytes_read/written "
+            "per_layer": "graph(L=2) - graph(L=1), op by op (benchmarks.tables.subtract); every layer is a sparse MoE layer",
+            "kernels": "as benchmarks.cost_model: call_function nodes on ATen/npu ops returning a tensor, views excluded",
+            "bytes": "non-matmul kernels' tensor inputs + outputs (benchmarks.cost_model.node_bytes); bytes_read/written "
             "split them; matmuls and grouped matmuls enter the roofline only",
-            "glue_bytes": "copies made for a fused npu op (benchmarks.traffic.is_glue): verl's npu_swiglu cat, contiguous "
+            "glue_bytes": "copies made for a fused npu op (benchmarks.cost_model.is_glue): verl's npu_swiglu cat, contiguous "
             "copies of a grouped matmul's operand",
-            "flops": "Cube FLOPs: matmuls 2MNK, grouped matmuls 2MKN over their groups, attention as benchmarks.traffic",
+            "flops": "Cube FLOPs: matmuls 2MNK, grouped matmuls 2MKN over their groups, attention as benchmarks.cost_model",
             "est_ms": "non-matmul bytes / bandwidth",
             "roofline_ms": "sum over every kernel of max(FLOPs / Cube peak, bytes / bandwidth) "
-            "(benchmarks.traffic.kernel_time)",
+            "(benchmarks.cost_model.kernel_time)",
             "grouped_mm": "per-layer kernels of aten._grouped_mm, transformers::grouped_mm_fallback, "
             "qwen_npu::grouped_matmul and npu::npu_grouped_matmul",
             "swiglu": "per layer: npu_swiglu calls, those reading a cat (through views) and those reading a grouped matmul",
@@ -353,7 +348,7 @@ def run(quick: bool = False) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Write ``<out>/moe_traffic.json`` (run metadata, then :func:`run`'s payload)."""
-    parser = argparse.ArgumentParser(description="qwen_npu MoE traffic per decoder layer (issue 20)")
+    parser = argparse.ArgumentParser(description="qwen_npu MoE traffic per decoder layer")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
     parser.add_argument("--quick", action="store_true", help="tiny Qwen3-MoE at T=16: a smoke test in seconds")
     args = parser.parse_args(argv)
@@ -362,8 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = run(quick=args.quick)
     elapsed = time.perf_counter() - start
     command = "python -m benchmarks.moe_traffic " + " ".join(sys.argv[1:] if argv is None else argv)
-    data = {"meta": {**run_metadata(command.strip()), "quick": args.quick, "part_seconds": round(elapsed, 1)}, **payload}
-    path = write_json(args.out / "moe_traffic.json", data)
+    path = write_json(args.out / "moe_traffic.json", with_run_metadata(payload, command.strip(), args.quick, elapsed))
     log.info("wrote %s (%.1fs)", path, elapsed)
     return 0
 

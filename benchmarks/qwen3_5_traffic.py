@@ -1,6 +1,6 @@
 """Kernels, HBM traffic and roofline per Qwen3.5 decoder layer, per layer kind: eager, verl-style, qwen_npu.
 
-Issue 25's evidence. Usage (from the repository root; nothing allocated at full size)::
+Usage (from the repository root; nothing allocated at full size)::
 
     python -m benchmarks.qwen3_5_traffic --out benchmarks/results          # Qwen3.5-27B widths, S = 4096
     python -m benchmarks.qwen3_5_traffic --quick --out /tmp/q35            # tiny Qwen3.5, S = 128, training
@@ -14,11 +14,14 @@ Qwen3.5 is hybrid: three Gated DeltaNet (``linear_attention``) layers, then one 
 one row of ``S`` tokens (B = 1) given as ``inputs_embeds``; per layer = graph(L=2) - graph(L=1) op by op, so the
 once-per-forward work (rotary cos/sin, masks) cancels. Training: ``train()``, the input requires grad, the final
 norm is ``Identity``; inference: ``eval()`` under ``no_grad`` with the final norm kept (as the dense and MoE
-inference rows). The graphs are captured as :mod:`benchmarks.traffic` and :mod:`benchmarks.moe_traffic` capture
-them (``torch.compile(fullgraph=True)`` with a recording backend, then AOTAutograd, default partitioner), and
-counted with the same rules (:func:`~benchmarks.traffic.graph_counts`, :func:`~benchmarks.traffic.node_bytes`,
-:func:`~benchmarks.traffic.kernel_flops`, :func:`~benchmarks.traffic.kernel_time`; Atlas A2 figures
-:data:`~benchmarks.traffic.BANDWIDTH` / :data:`~benchmarks.traffic.PEAK`).
+inference rows). The graphs are captured as the dense and MoE rows' are (:mod:`benchmarks.capture`:
+``torch.compile(fullgraph=True)`` with a recording backend, then AOTAutograd, default partitioner), and counted
+with the same rules (:mod:`benchmarks.cost_model`: :func:`~benchmarks.cost_model.graph_counts`,
+:func:`~benchmarks.cost_model.node_bytes`, :func:`~benchmarks.cost_model.kernel_flops`,
+:func:`~benchmarks.cost_model.kernel_time`). Units: kernels (counts), bytes (non-matmul kernels' reads + writes),
+FLOPs (Cube; the triangular solves' apart, Vector), ``est_ms`` and ``roofline_ms`` (milliseconds at the Atlas A2
+figures of the CANN developer guide, :data:`~benchmarks.cost_model.BANDWIDTH` / :data:`~benchmarks.cost_model.PEAK`),
+per decoder layer and graph kind.
 
 Variants (:data:`VARIANTS`):
 
@@ -72,9 +75,11 @@ import torch.fx
 
 from qwen_npu_compile.config import ALL_FAMILIES
 
-from . import traffic
-from .common import MIB, run_metadata, write_json
-from .traffic import BANDWIDTH, PEAK, graph_counts, summarize
+from .capture import LayerVariant, capture_layers
+from .common import MIB, with_run_metadata, write_json
+from .cost_model import BANDWIDTH, PEAK, as_int, graph_counts, node_bytes, op_name, tensor_numel
+from .tables import (capture_verl_deltanet, graph_kinds, layer_row, per_kind, per_layer_splits, row_line, subtract,
+                     summarize)
 from .verl_patch import FA2_SOURCES
 from .verl_qwen3_5_patch import SOURCES as VERL_SOURCES
 from .verl_qwen3_5_patch import verl_qwen3_5_patches
@@ -83,7 +88,7 @@ log = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 
-#: The model and shape of the full run (issue 25): Qwen3.5-27B's text widths, S = 4096 tokens.
+#: The model and shape of the full run: Qwen3.5-27B's text widths, S = 4096 tokens.
 MODEL = "qwen3.5-27b"
 TOKENS = 4096
 #: The quick run: a tiny Qwen3.5 (``tests/conftest.py``'s ``tiny_hybrid("qwen3_5")`` shapes), S = 128 (2 chunks).
@@ -124,7 +129,7 @@ DELTA_RULE_KERNEL = {"qwen_npu": "reference", "qwen_npu_fla": "fla"}
 
 
 #: One way of running Qwen3.5 (module docstring); ``verl``: verl's Qwen3.5 ``npu_patch``.
-Qwen35Variant = traffic.LayerVariant
+Qwen35Variant = LayerVariant
 
 
 #: One row per variant: data (the MoE and Qwen3.5 benchmarks' variant tables share their shape, not logic).
@@ -183,7 +188,7 @@ def solve_triangular_flops(node: torch.fx.Node) -> int:
     broadcast: per system and right-hand side, ``n·(n-1)`` FLOPs (one multiply and one add per off-diagonal entry)
     with ``unitriangular=True``, ``n²`` otherwise (the ``n`` divisions). 0 for any other node.
     """
-    if node.op != "call_function" or traffic.op_name(node) != SOLVE_TRIANGULAR:
+    if node.op != "call_function" or op_name(node) != SOLVE_TRIANGULAR:
         return 0
     a = node.args[0].meta["val"]
     kwargs = dict(node.kwargs)
@@ -194,7 +199,7 @@ def solve_triangular_flops(node: torch.fx.Node) -> int:
     unit = kwargs.get("unitriangular", False)
     n = int(a.shape[-1])
     # the output has B's (broadcast) shape: n entries per system and right-hand side, whichever side A is on
-    systems_times_rhs = traffic._numel(node.meta["val"]) // n
+    systems_times_rhs = tensor_numel(node.meta["val"]) // n
     return systems_times_rhs * (n * (n - 1) if unit else n * n)
 
 
@@ -211,16 +216,16 @@ def delta_rule_op_flops(node: torch.fx.Node) -> tuple[int, int]:
     chunk's state update (the op returns the final state): ``S·H·(4·C·dk + 2·C·dv + 6·dk·dv)`` matmul FLOPs and
     ``S·H·(C-1)·(dv + dk)`` triangular-solve FLOPs. Backward (the op's: the forward recomputed, then each matmul's
     two gradient matmuls, each solve's transposed solve): 3x the forward's matmul FLOPs, 2x its solve FLOPs, the
-    usual 2x-forward backward of matmuls (as :func:`benchmarks.traffic.kernel_flops` counts attention's) plus the
+    usual 2x-forward backward of matmuls (as :func:`benchmarks.cost_model.kernel_flops` counts attention's) plus the
     recompute. A model of what a fused kernel must compute; FLA's / fla_npu's kernels were not measured. (0, 0) for
     any other node."""
-    name = traffic.op_name(node) if node.op == "call_function" else ""
+    name = op_name(node) if node.op == "call_function" else ""
     if name not in (DELTA_RULE, DELTA_RULE_BACKWARD):
         return 0, 0
     first = 2 if name == DELTA_RULE_BACKWARD else 0  # the backward op's args start with the two gradients
     query, value = node.args[first].meta["val"], node.args[first + 2].meta["val"]
-    batch, tokens, heads, dk = (traffic._dim(x) for x in query.shape)
-    dv = traffic._dim(value.shape[-1])
+    batch, tokens, heads, dk = (as_int(x) for x in query.shape)
+    dv = as_int(value.shape[-1])
     padded = batch * -(-tokens // CHUNK) * CHUNK
     cube = padded * heads * (4 * CHUNK * dk + 2 * CHUNK * dv + 6 * dk * dv)
     vector = padded * heads * (CHUNK - 1) * (dv + dk)
@@ -228,7 +233,7 @@ def delta_rule_op_flops(node: torch.fx.Node) -> tuple[int, int]:
 
 
 def _op_shapes(node: torch.fx.Node) -> tuple:
-    first = 2 if traffic.op_name(node) == DELTA_RULE_BACKWARD else 0  # the backward op's args start with the gradients
+    first = 2 if op_name(node) == DELTA_RULE_BACKWARD else 0  # the backward op's args start with the gradients
     return tuple(node.args[first + i].meta["val"] for i in range(5)), node.args[first + 5], node.args[first + 7]
 
 
@@ -245,8 +250,8 @@ def reference_kernel_graph(node: torch.fx.Node) -> torch.fx.GraphModule:
     (q, k, v, g, beta), cu_seqlens, scale = _op_shapes(node)
     if cu_seqlens is not None:
         raise ValueError("reference_kernel_graph: packed rows (cu_seqlens) are not modelled")
-    shapes = [(tuple(traffic._dim(d) for d in t.shape), t.dtype) for t in (q, k, v, g, beta)]
-    backward = traffic.op_name(node) == DELTA_RULE_BACKWARD
+    shapes = [(tuple(as_int(d) for d in t.shape), t.dtype) for t in (q, k, v, g, beta)]
+    backward = op_name(node) == DELTA_RULE_BACKWARD
 
     def forward(q, k, v, g, beta):
         return reference(q, k, v, g, beta, None, None, scale, True)
@@ -309,13 +314,13 @@ def fla_cost(node: torch.fx.Node) -> list[dict]:
     ``bytes_read``, ``bytes_written``, ``roofline_ps`` (``max(FLOPs / Cube peak, bytes / bandwidth)``), for ``B·T``
     tokens (padded to whole chunks) and ``H`` heads."""
     (q, _, v, _, _), _, _ = _op_shapes(node)
-    batch, tokens, heads, k_dim = (traffic._dim(x) for x in q.shape)
-    values = dict(C=CHUNK, K=k_dim, V=traffic._dim(v.shape[-1]))
+    batch, tokens, heads, k_dim = (as_int(x) for x in q.shape)
+    values = dict(C=CHUNK, K=k_dim, V=as_int(v.shape[-1]))
     element = q.dtype.itemsize
     units = batch * -(-tokens // CHUNK) * CHUNK * heads  # token-heads
     out = []
     # the backward op recomputes FLA's forward under autograd, then runs FLA's backward (gated_delta_rule.py)
-    kernels = (FLA_KERNELS["forward"] + FLA_KERNELS["backward"] if traffic.op_name(node) == DELTA_RULE_BACKWARD
+    kernels = (FLA_KERNELS["forward"] + FLA_KERNELS["backward"] if op_name(node) == DELTA_RULE_BACKWARD
                else FLA_KERNELS["forward"])
     for name, flops, reads, writes in kernels:
         def moved(tensors):
@@ -335,7 +340,7 @@ _REFERENCE_COSTS: dict[tuple, tuple[dict, dict]] = {}
 def _reference_costs(node: torch.fx.Node) -> tuple[dict[str, dict], dict[str, int]]:
     """(:func:`counts`, :func:`solve_counts`) of :func:`reference_kernel_graph` for this node, cached by shapes."""
     (q, k, v, g, beta), _, scale = _op_shapes(node)
-    key = (traffic.op_name(node), scale, *((tuple(traffic._dim(d) for d in t.shape), t.dtype) for t in (q, v, g, beta)))
+    key = (op_name(node), scale, *((tuple(as_int(d) for d in t.shape), t.dtype) for t in (q, v, g, beta)))
     if key not in _REFERENCE_COSTS:
         gm = reference_kernel_graph(node)
         _REFERENCE_COSTS[key] = counts(gm), solve_counts(gm)
@@ -347,7 +352,7 @@ def delta_rule_solves(gm: torch.fx.GraphModule, kernel: str | None) -> dict[str,
     out = solve_counts(gm)
     if kernel == "reference":
         for node in gm.graph.nodes:
-            if node.op == "call_function" and traffic.op_name(node) in (DELTA_RULE, DELTA_RULE_BACKWARD):
+            if node.op == "call_function" and op_name(node) in (DELTA_RULE, DELTA_RULE_BACKWARD):
                 for key, value in _reference_costs(node)[1].items():
                     out[key] += value
     return out
@@ -370,7 +375,7 @@ def cost_delta_rule(table: dict[str, dict], gm: torch.fx.GraphModule, kernel: st
         return table
     out = {op: dict(row) for op, row in table.items() if op not in (DELTA_RULE, DELTA_RULE_BACKWARD)}
     for node in gm.graph.nodes:
-        if node.op != "call_function" or traffic.op_name(node) not in (DELTA_RULE, DELTA_RULE_BACKWARD):
+        if node.op != "call_function" or op_name(node) not in (DELTA_RULE, DELTA_RULE_BACKWARD):
             continue
         if kernel == "reference":
             _add(out, _reference_costs(node)[0])
@@ -384,7 +389,7 @@ def cost_delta_rule(table: dict[str, dict], gm: torch.fx.GraphModule, kernel: st
 
 
 def counts(gm: torch.fx.GraphModule) -> dict[str, dict]:
-    """:func:`benchmarks.traffic.graph_counts` with the triangular solves' vector FLOPs: their rows get ``flops``
+    """:func:`benchmarks.cost_model.graph_counts` with the triangular solves' vector FLOPs: their rows get ``flops``
     = 0 (the Cube FLOPs, as every vector kernel) and their ``roofline_ps`` from :func:`solve_triangular_time`;
     the vector FLOPs are in :func:`solve_counts`. The delta rule op (and its backward) get the Cube FLOPs of
     :func:`delta_rule_op_flops` and the roofline ``max((cube / Cube peak + vector / Vector peak), bytes / bandwidth)``,
@@ -396,20 +401,19 @@ def counts(gm: torch.fx.GraphModule) -> dict[str, dict]:
             continue
         row["category"], row["flops"], row["roofline_ps"] = "fused", 0, 0
         for node in gm.graph.nodes:
-            if node.op == "call_function" and traffic.op_name(node) == op:
+            if node.op == "call_function" and op_name(node) == op:
                 cube, vector = delta_rule_op_flops(node)
-                read, written = traffic.node_bytes(node)
-                seconds = max(cube / traffic.PEAK["cube_bf16_flops_per_second"]
-                              + vector / traffic.PEAK["vector_fp16_flops_per_second"],
-                              (read + written) / traffic.BANDWIDTH["bytes_per_second"])
+                read, written = node_bytes(node)
+                seconds = max(cube / PEAK["cube_bf16_flops_per_second"] + vector / PEAK["vector_fp16_flops_per_second"],
+                              (read + written) / BANDWIDTH["bytes_per_second"])
                 row["flops"] += cube
                 row["roofline_ps"] += round(seconds * 1e12)
     row = table.get(SOLVE_TRIANGULAR)
     if row is not None:
         row["roofline_ps"] = 0
         for node in gm.graph.nodes:
-            if node.op == "call_function" and traffic.op_name(node) == SOLVE_TRIANGULAR:
-                read, written = traffic.node_bytes(node)
+            if node.op == "call_function" and op_name(node) == SOLVE_TRIANGULAR:
+                read, written = node_bytes(node)
                 row["roofline_ps"] += round(solve_triangular_time(solve_triangular_flops(node), read + written) * 1e12)
     return table
 
@@ -418,10 +422,10 @@ def solve_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
     """``{"kernels", "vector_flops", "bytes"}`` of the graph's triangular solves."""
     out = {"kernels": 0, "vector_flops": 0, "bytes": 0}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and traffic.op_name(node) == SOLVE_TRIANGULAR:
+        if node.op == "call_function" and op_name(node) == SOLVE_TRIANGULAR:
             out["kernels"] += 1
             out["vector_flops"] += solve_triangular_flops(node)
-            out["bytes"] += sum(traffic.node_bytes(node))
+            out["bytes"] += sum(node_bytes(node))
     return out
 
 
@@ -478,19 +482,12 @@ def build_graphs(config, kind: str, layers: int, variants: Sequence[Qwen35Varian
     """
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    return traffic.capture_layers(modeling_qwen3_5.Qwen3_5TextModel, _with_layers(config, kind, layers), variants, tokens, dtype, inference, verl_qwen3_5_patches)
+    return capture_layers(modeling_qwen3_5.Qwen3_5TextModel, _with_layers(config, kind, layers), variants, tokens,
+                          dtype, inference, verl_qwen3_5_patches)
 
 
 # ----------------------------------------------------------------------------------------------------
 # rows
-
-
-def _kinds(inference: bool) -> tuple[str, ...]:
-    return ("forward",) if inference else ("forward", "backward")
-
-
-def _ms(num_bytes: float) -> float:
-    return num_bytes / BANDWIDTH["bytes_per_second"] * 1e3
 
 
 def fused_kernels(table: dict[str, dict]) -> dict[str, int]:
@@ -530,24 +527,23 @@ def per_layer_rows(config, kind: str, tokens: int, dtype: torch.dtype, inference
         ``capture_seconds``.
     """
     variants = list(variants)
-    kinds = _kinds(inference)
+    kinds = graph_kinds(inference)
     mode = "inference" if inference else "training"
     rows = {}
-    splits = traffic.per_layer_splits(lambda n, group: build_graphs(config, kind, n, group, tokens, dtype, inference),
-                                      variants, inference, counts=counts, where=f"{kind} ",
-                                      key=traffic.capture_verl_deltanet)
+    splits = per_layer_splits(lambda n, group: build_graphs(config, kind, n, group, tokens, dtype, inference),
+                              variants, inference, counts=counts, where=f"{kind} ", key=capture_verl_deltanet)
     for variant, g1, g2, layer, seconds in splits:
         kernel = DELTA_RULE_KERNEL.get(variant.name)
         if kernel is not None:  # the delta rule op costed as its kernel runs it (cost_delta_rule)
-            layer = {k: traffic.subtract(cost_delta_rule(counts(g2[k]), g2[k], kernel),
-                                         cost_delta_rule(counts(g1[k]), g1[k], kernel)) for k in kinds}
+            layer = {k: subtract(cost_delta_rule(counts(g2[k]), g2[k], kernel),
+                                 cost_delta_rule(counts(g1[k]), g1[k], kernel)) for k in kinds}
         solves = {k: {key: delta_rule_solves(g2[k], kernel)[key] - delta_rule_solves(g1[k], kernel)[key]
                       for key in ("kernels", "vector_flops", "bytes")} for k in kinds}
         sums = {k: summarize(layer[k]) for k in kinds}
-        row = traffic.layer_row(variant, g1, g2, layer, seconds, after={
+        row = layer_row(variant, g1, g2, layer, seconds, after={
             "fusions_per_layer": {"fused_kernels": {k: fused_kernels(layer[k]) for k in kinds}},
-            "bytes": {"attention_bytes": traffic.per_kind(kinds, lambda k: sums[k]["bytes"]["attention"])},
-            "flops": {"attention_flops": traffic.per_kind(kinds, lambda k: sums[k]["flops"]["attention"])},
+            "bytes": {"attention_bytes": per_kind(kinds, lambda k: sums[k]["bytes"]["attention"])},
+            "flops": {"attention_flops": per_kind(kinds, lambda k: sums[k]["flops"]["attention"])},
             "roofline_ms_by_category": {
                 "solve_triangular": solves,
                 "bmm": {k: {"kernels": op_kernels(layer[k], "aten.bmm.default"),
@@ -556,7 +552,7 @@ def per_layer_rows(config, kind: str, tokens: int, dtype: torch.dtype, inference
             },
         })
         rows[variant.name] = row
-        log.info("qwen3.5 traffic: %s %s %s: %s; fused %s (%.0fs)", kind, mode, variant.name, traffic.row_line(row),
+        log.info("qwen3.5 traffic: %s %s %s: %s; fused %s (%.0fs)", kind, mode, variant.name, row_line(row),
                  row["fusions_per_layer"], row["capture_seconds"])
     return {v.name: rows[v.name] for v in variants}
 
@@ -618,15 +614,15 @@ def run(quick: bool = False, kinds: Sequence[str] = LAYER_KINDS, modes: Sequence
         "variants": {v.name: v.description for v in VARIANTS},
         "definitions": {
             "per_layer": "graph(L=2) - graph(L=1), op by op, every layer of the same kind (layer_types = [kind] * L)",
-            "kernels": "as benchmarks.traffic: call_function nodes on ATen/npu ops returning a tensor, views excluded",
-            "bytes": "non-matmul kernels' tensor inputs + outputs (benchmarks.traffic.node_bytes); matmuls (the "
+            "kernels": "as benchmarks.cost_model: call_function nodes on ATen/npu ops returning a tensor, views excluded",
+            "bytes": "non-matmul kernels' tensor inputs + outputs (benchmarks.cost_model.node_bytes); matmuls (the "
             "DeltaNet's chunk bmm included) enter the roofline only",
-            "flops": "Cube FLOPs: matmuls 2MNK, attention as benchmarks.traffic; the triangular solves' FLOPs are "
+            "flops": "Cube FLOPs: matmuls 2MNK, attention as benchmarks.cost_model; the triangular solves' FLOPs are "
             "vector FLOPs (solve_triangular)",
             "solve_triangular": "aten.linalg_solve_triangular kernels: n(n-1) FLOPs per unit-triangular n x n system "
             "and right-hand side (n^2 otherwise), roofline max(FLOPs / Vector peak, bytes / bandwidth)",
             "est_ms": "non-matmul bytes / bandwidth",
-            "roofline_ms": "sum over every kernel of max(FLOPs / peak, bytes / bandwidth) (benchmarks.traffic."
+            "roofline_ms": "sum over every kernel of max(FLOPs / peak, bytes / bandwidth) (benchmarks.cost_model."
             "kernel_time; solve_triangular at the Vector peak)",
             "fusions_per_layer": "qwen_npu families' rewrites per layer (g2 - g1)",
             "fused_kernels": "per layer and graph, kernels of npu.* / qwen_npu.* ops",
@@ -637,7 +633,7 @@ def run(quick: bool = False, kinds: Sequence[str] = LAYER_KINDS, modes: Sequence
 
 def main(argv: list[str] | None = None) -> int:
     """Write ``<out>/qwen3_5_traffic.json`` (run metadata, then :func:`run`'s payload)."""
-    parser = argparse.ArgumentParser(description="qwen_npu Qwen3.5 traffic per decoder layer kind (issue 25)")
+    parser = argparse.ArgumentParser(description="qwen_npu Qwen3.5 traffic per decoder layer kind")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
     parser.add_argument("--quick", action="store_true", help="tiny Qwen3.5 at S=128, training only: a smoke test")
     parser.add_argument("--kinds", default=",".join(LAYER_KINDS), help="comma-separated layer kinds (default: both)")
@@ -656,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     payload = run(quick=args.quick, kinds=kinds, modes=modes)
     elapsed = time.perf_counter() - start
-    data = {"meta": {**run_metadata(command.strip()), "quick": args.quick, "part_seconds": round(elapsed, 1)}, **payload}
+    data = with_run_metadata(payload, command.strip(), args.quick, elapsed)
     partial = kinds != LAYER_KINDS or modes is not None
     name = f"qwen3_5_traffic.{'+'.join(kinds)}.{'+'.join(modes or ('all',))}.json" if partial else "qwen3_5_traffic.json"
     path = write_json(args.out / name, data)

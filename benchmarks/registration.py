@@ -1,4 +1,5 @@
-"""Part 3: the one-time cost of building the pattern passes, measured in a fresh process.
+"""The one-time cost of building the pattern passes, measured in a fresh process: wall seconds on this host, and
+counts of ``register_replacement`` calls.
 
 Each family traces and registers a pattern variant (``register_replacement``) the first time one of its
 anchor ops occurs in a graph being fused (:meth:`qwen_npu_compile.fusion.family.FamilyPass.ensure_registered`),

@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # `python benchmarks/run.py`: make `benchmarks` i
     __package__ = "benchmarks"  # noqa: A001
 
 from benchmarks import activation_memory, compile_cost, moe_traffic, qwen3_5_traffic, registration, traffic  # noqa: E402
-from benchmarks.common import command_line, progress, run_metadata, write_json  # noqa: E402
+from benchmarks.common import command_line, progress, with_run_metadata, write_json  # noqa: E402
 from benchmarks.markdown import render_summary  # noqa: E402
 
 PARTS = {
@@ -44,7 +44,7 @@ FIGURE = Path("docs/figures/activation_memory.png")
 
 def main(argv: list[str] | None = None) -> int:
     """Run the selected parts; every JSON records versions, simulated ops, the command and timings."""
-    parser = argparse.ArgumentParser(description="qwen_npu performance evidence (issue 5)")
+    parser = argparse.ArgumentParser(description="qwen_npu performance evidence")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, 1 repeat: a smoke test in seconds")
     parser.add_argument(
@@ -75,8 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             payload = fn(quick=args.quick)
         elapsed = time.perf_counter() - start
-        data = {"meta": {**run_metadata(command), "quick": args.quick, "part_seconds": round(elapsed, 1)}, **payload}
-        path = write_json(args.out / filename, data)
+        path = write_json(args.out / filename, with_run_metadata(payload, command, args.quick, elapsed))
         progress(f"wrote {path} ({elapsed:.1f}s)")
 
     loaded = {}

@@ -1,8 +1,7 @@
 """The "verl-style" Qwen3-MoE baseline: transformers' Qwen3-MoE patched as verl 0.9.1's ``npu_patch`` patches it.
 
 A model of verl's ``verl/models/transformers/npu_patch.py`` (verl 0.9.1, ``_patch_qwen3_moe``; read in
-``verl-0.9.1`` site-packages, same code as verl HEAD ``1dda039b9``, ``../shared/reference/moe-vl-notes.md``
-§1.1), written against ``torch.ops.npu.*`` (the simulated stand-ins here, torch_npu's ops on an NPU; same
+``verl-0.9.1`` site-packages, same code as verl HEAD ``1dda039b9``), written against ``torch.ops.npu.*`` (the simulated stand-ins here, torch_npu's ops on an NPU; same
 schemas). verl patches three names of ``transformers.models.qwen3_moe.modeling_qwen3_moe``:
 
 * ``Qwen3MoeRMSNorm.forward`` -> ``npu_rms_norm(x, weight, eps)[0]`` (:func:`benchmarks.verl_patch.rms_norm_forward`;

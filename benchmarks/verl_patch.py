@@ -78,7 +78,8 @@ def verl_patches() -> Iterator[None]:
 # attention: what verl's FSDP engine runs on Ascend (transformers' flash_attention_2 on NPU)
 
 #: transformers' NPU flash attention, which verl's default ``attn_implementation="flash_attention_2"``
-#: resolves to on an Ascend host (``../shared/reference/verl-default-path.md`` §1.1, §2.1).
+#: resolves to on an Ascend host: with torch_npu available, transformers' flash-attention utilities take their
+#: kernels from ``integrations/npu_flash_attention.py`` (the two files below).
 FA2_SOURCES = (
     "https://github.com/huggingface/transformers/blob/main/src/transformers/integrations/npu_flash_attention.py",
     "https://github.com/huggingface/transformers/blob/main/src/transformers/modeling_flash_attention_utils.py",

@@ -1,8 +1,7 @@
 """The "verl-style" Qwen3.5 baseline: transformers' Qwen3.5 patched as verl 0.9.1's ``npu_patch`` patches it.
 
 A model of verl's ``verl/models/transformers/npu_patch.py`` (verl 0.9.1 wheel, ``_patch_qwen3_5``; the same three
-functions serve ``_patch_qwen3_next`` and ``_patch_qwen3_5_moe``; ``../shared/reference/qwen3_5-next-notes.md``,
-"What verl's npu_patch does for them"), written against ``torch.ops.npu.*`` (the simulated stand-ins here,
+functions serve ``_patch_qwen3_next`` and ``_patch_qwen3_5_moe``), written against ``torch.ops.npu.*`` (the simulated stand-ins here,
 torch_npu's ops on an NPU; same schemas). verl patches three names of
 ``transformers.models.qwen3_5.modeling_qwen3_5``:
 

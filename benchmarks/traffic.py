@@ -8,7 +8,7 @@ Rows (:func:`run`): Qwen2.5-0.5B and Qwen2.5-7B (``qwen2.5-*`` presets of :mod:`
 at B = 1, bf16: training (forward + backward) at S = 4096, every variant, and at S = 32768, the headline variants;
 no-grad inference forwards at both; the verl-step view (:func:`verl_step`); packed rows of Qwen2.5-7B at T = 16384
 (:data:`PACKINGS`). Each model's graphs are captured under fake tensors with 1 and 2 decoder layers
-(:mod:`benchmarks.capture`: the model's final norm is ``Identity``, so only decoder layers count) and per layer =
+(:mod:`benchmarks.capture`: the embedding and the LM head are left out) and per layer =
 graph(L=2) - graph(L=1) op by op (:mod:`benchmarks.tables`); what L=1 has beyond one layer is the once-per-forward
 work (position ids, causal mask, cos/sin), reported as ``per_forward``.
 
@@ -115,7 +115,7 @@ def per_layer_tables(config, variants: Sequence[Variant], batch: int, seq: int, 
     """Per-op tables per layer and per forward, for the forward and backward graphs of each dense variant.
 
     Variants are grouped by :attr:`~benchmarks.capture.Variant.capture_key` so that each group costs one Dynamo
-    capture per layer count (:func:`~benchmarks.capture.build_graphs`; :func:`per_layer_splits`).
+    capture per layer count (:func:`~benchmarks.capture.build_graphs`; :func:`~benchmarks.tables.per_layer_splits`).
 
     Returns:
         Per variant name: ``{"per_layer": {"forward": table, "backward": table}, "per_forward": {...},

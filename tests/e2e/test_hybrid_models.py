@@ -20,7 +20,7 @@ import transformers
 
 from tests.helpers.models import tiny_hybrid, token_ids
 from tests.helpers.numerics import NEAR_TIE_MARGIN, assert_routed_parity, assert_runs_match, judge_routing
-from qwen_npu_compile import maybe_compile
+from qwen_npu_compile import compat, maybe_compile
 from qwen_npu_compile.cli.check.harness import fp32_reference, run_model
 from qwen_npu_compile.patterns import FAMILIES, expected_fusions
 from qwen_npu_compile.report import SUMMARY
@@ -40,6 +40,14 @@ BUG = _softplus_backward_differs()
 G_SLICED = tuple(int(p) for p in transformers.__version__.split("+")[0].split(".")[:2]) >= (5, 25)
 LINEAR_LAYERS = 3
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+
+
+def _compiled(model):
+    """``model`` under qwen_npu, strict. transformers' torch-version probes are marked constant for Dynamo first, as
+    the package's compile-start callback does in a process of its own: the autouse fixture's ``torch._dynamo.reset()``
+    drops that callback, and transformers 5.10.4's MoE experts then break the whole model into 16 graphs on a CPU."""
+    compat.transformers_version_probes_constant()
+    return torch.compile(model, backend="qwen_npu", options={"strict": True})
 
 
 def _backward_ops(fusions: dict[str, int]) -> Counter:
@@ -63,8 +71,7 @@ def test_whole_model_bf16_training_step_fused_with_parity(npu_ops, family):
     of the whole step): with transformers 5.10.4 a Qwen3.5-MoE router near-tie (layer 1, row 1 position 1, fp32's
     top-2 gap 5.0e-4) picks other experts in the compiled run, and the tokens it reaches are left out."""
     model = tiny_hybrid(family, torch.bfloat16).train()
-    compiled = torch.compile(model, backend="qwen_npu", options={"strict": True})
-    assert_routed_parity(model, compiled, token_ids(256, seq=24))
+    assert_routed_parity(model, _compiled(model), token_ids(256, seq=24))
     # transformers 4.57.6's Qwen3-Next breaks the graph at _update_linear_attn_mask's data-dependent branch
     # (`if cache_position[0] > 0 ...`): 3 small graphs around the one holding every decoder layer
     graphs = list(SUMMARY.graphs)
@@ -86,9 +93,8 @@ def test_routed_parity_fails_a_router_that_picks_other_experts_at_a_clear_margin
     with torch.no_grad():
         weight = broken.model.layers[0].mlp.gate.weight
         weight[[0, 1]] = weight[[1, 0]].clone()
-    compiled = torch.compile(broken, backend="qwen_npu", options={"strict": True})
     with pytest.raises(AssertionError, match="at a clear margin"):
-        assert_routed_parity(model, compiled, token_ids(256, seq=24), compiled_model=broken)
+        assert_routed_parity(model, _compiled(broken), token_ids(256, seq=24), compiled_model=broken)
 
 
 def test_routing_judge_leaves_out_what_a_near_tie_reaches_and_fails_a_clear_flip():

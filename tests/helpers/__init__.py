@@ -11,6 +11,7 @@
 - :mod:`.runs`: the results the drivers of ``tests/drivers`` and the examples hand back (per-layer fusions).
 - :mod:`.trainer`: a short Hugging Face Trainer run.
 - :mod:`.verl_npu_patch`: verl's own ``npu_patch`` run on a CPU (a throwaway ``torch_npu`` over the stand-in ops).
+- :mod:`.fla`: an FLA-like Gated DeltaNet kernel to bind where transformers or verl bind FLA's.
 - :mod:`.mindspeed_stand_in`: a stand-in ``mindspeed`` package written to disk.
 
 ``tests`` is a regular package (``tests/__init__.py``) so that ``tests.helpers`` is this folder even where another

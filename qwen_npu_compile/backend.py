@@ -120,6 +120,7 @@ def qwen_npu_backend(
         # Dynamo's BackendCompilerFailed wrapping, its frames and its bug-report footer
         raise compat.through_dynamo(exc, inspect.currentframe()) from None
     substitutions.install(config.fusions)  # this graph's options, for the frames Dynamo traces next
+    compat.install_tracing_fixes()  # again after a torch._dynamo.reset(), which drops the compile-start callback
     deltanet.warn_if_substituted_while_disabled(gm, config.fusions)
     report, rewritten = rewrite(gm, example_inputs, config, status, downstream)
     refuse_in_strict_mode(report, config)

@@ -280,22 +280,23 @@ def transformers_version_probes_constant() -> bool:
     return marked
 
 
-_TRACING_FIXES_INSTALLED = False
+def _on_compile_start(*args) -> None:
+    transformers_version_probes_constant()
 
 
 def install_tracing_fixes() -> None:
-    """Register :func:`transformers_version_probes_constant` as a Dynamo compile-start callback (before a
-    frame is traced: the backend itself only sees the finished graph); once per process. torch 2.7-2.13 have
-    ``torch._dynamo.callback_handler.register_start_callback``; where missing it runs once, now."""
-    global _TRACING_FIXES_INSTALLED
-    if _TRACING_FIXES_INSTALLED:
-        return
-    _TRACING_FIXES_INSTALLED = True
+    """Apply :func:`transformers_version_probes_constant` now and register it as a Dynamo compile-start callback
+    (before a frame is traced: the backend itself only sees the finished graph), unless it is registered already.
+
+    Idempotent and cheap, so it is called again where a ``torch._dynamo.reset()`` may have run in between (reset
+    clears the callbacks, ``callback_handler.clear()``, not the marks): at package import, by the backend for each
+    graph, by ``maybe_compile``. torch 2.7-2.14 have ``torch._dynamo.callback_handler.register_start_callback``;
+    where missing the marks are applied at each call only."""
     transformers_version_probes_constant()
     handler = getattr(torch._dynamo, "callback_handler", None)
     register = getattr(handler, "register_start_callback", None)
-    if register is not None:
-        register(lambda *args: transformers_version_probes_constant() and None)
+    if register is not None and _on_compile_start not in getattr(handler, "start_callbacks", ()):
+        register(_on_compile_start)
 
 
 def trace_kernels_bookkeeping_under_checkpoint() -> bool:

@@ -24,11 +24,18 @@ collect_ignore = [] if _torch_npu is not None and _torch_npu.origin and "ascend_
 
 @pytest.fixture(autouse=True)
 def _clean_state():
+    """A fresh Dynamo per test. ``torch._dynamo.reset()`` also drops the package's compile-start callback (which
+    marks transformers' version probes constant for a transformers imported later): re-armed, as in a process that
+    never reset."""
+    from qwen_npu_compile import compat
+
     torch._dynamo.reset()
+    compat.install_tracing_fixes()
     SUMMARY.clear()
     torch.manual_seed(0)
     yield
     torch._dynamo.reset()
+    compat.install_tracing_fixes()
 
 
 @pytest.fixture(autouse=True)

@@ -43,10 +43,8 @@ TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
 def _compiled(model):
-    """``model`` under qwen_npu, strict. transformers' torch-version probes are marked constant for Dynamo first, as
-    the package's compile-start callback does in a process of its own: the autouse fixture's ``torch._dynamo.reset()``
-    drops that callback, and transformers 5.10.4's MoE experts then break the whole model into 16 graphs on a CPU."""
-    compat.transformers_version_probes_constant()
+    """``model`` under qwen_npu, strict (transformers 5.10.4's MoE experts compile to one graph only with the
+    package's compile-start callback in place: conftest re-arms it after each ``torch._dynamo.reset()``)."""
     return torch.compile(model, backend="qwen_npu", options={"strict": True})
 
 

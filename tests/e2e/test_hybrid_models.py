@@ -20,7 +20,7 @@ import transformers
 
 from tests.helpers.models import tiny_hybrid, token_ids
 from tests.helpers.numerics import NEAR_TIE_MARGIN, assert_routed_parity, assert_runs_match, judge_routing
-from qwen_npu_compile import compat, maybe_compile
+from qwen_npu_compile import maybe_compile
 from qwen_npu_compile.cli.check.harness import fp32_reference, run_model
 from qwen_npu_compile.patterns import FAMILIES, expected_fusions
 from qwen_npu_compile.report import SUMMARY

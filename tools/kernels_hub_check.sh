@@ -16,23 +16,11 @@
 #
 # Environment: PYTHON (default python3.11, else python3), KERNELS_HUB_KEEP=1 keeps the venv and prints its path.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-repo=$PWD
-python=${PYTHON:-$(command -v python3.11 || command -v python3)}
-start=$(date +%s)
-tmp=$(mktemp -d -t kernels_hub_check.XXXXXX)
-cleanup() {
-    status=$?
-    if [[ "${KERNELS_HUB_KEEP:-0}" == 1 ]]; then echo "kernels_hub_check: venv kept at $tmp/venv"; else rm -rf "$tmp"; fi
-    echo "kernels_hub_check: total $(( $(date +%s) - start ))s"
-    exit $status
-}
-trap cleanup EXIT
+NAME=kernels_hub_check KEEP=${KERNELS_HUB_KEEP:-0}
+source "$(dirname "$0")/fresh_venv.sh"
 
 pin() { grep "^$1==" "$repo/requirements.txt"; }
-"$python" -m venv "$tmp/venv"
 export PATH="$tmp/venv/bin:$PATH"  # the console script, as an activated venv has it (tests/cli/test_cli.py)
-pip=("$tmp/venv/bin/python" -m pip --disable-pip-version-check)
 "${pip[@]}" install -q "$(pin torch)" transformers==5.25.0 "$(pin pytest)" "$(pin pytest-xdist)" "$(pin accelerate)" \
     "$(pin protobuf)"
 "${pip[@]}" install -q --no-deps -e "$repo"

@@ -19,21 +19,9 @@
 #
 # Environment: PYTHON (default python3.11, else python3), VERL_ENV_KEEP=1 keeps the venv and prints its path.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-repo=$PWD
-python=${PYTHON:-$(command -v python3.11 || command -v python3)}
-start=$(date +%s)
-tmp=$(mktemp -d -t verl_env_check.XXXXXX)
-cleanup() {
-    status=$?
-    if [[ "${VERL_ENV_KEEP:-0}" == 1 ]]; then echo "verl_env_check: venv kept at $tmp/venv"; else rm -rf "$tmp"; fi
-    echo "verl_env_check: total $(( $(date +%s) - start ))s"
-    exit $status
-}
-trap cleanup EXIT
+NAME=verl_env_check KEEP=${VERL_ENV_KEEP:-0}
+source "$(dirname "$0")/fresh_venv.sh"
 
-"$python" -m venv "$tmp/venv"
-pip=("$tmp/venv/bin/python" -m pip --disable-pip-version-check)
 "${pip[@]}" install -q torch==2.13.0 transformers==5.10.4 verl==0.9.1 pytest==9.0.3 pytest-xdist==3.8.0
 "${pip[@]}" install -q --no-deps -e "$repo"
 installed=$(date +%s)

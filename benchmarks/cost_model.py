@@ -498,7 +498,8 @@ def _feeds_fused(node: torch.fx.Node) -> bool:
 def _feeds_fused_through_matmul(node: torch.fx.Node) -> bool:
     """Whether ``node`` feeds (through views) a matmul whose output feeds (through views) a fused op:
     an in-graph weight concatenation such as ``cat([w_gate, w_up])``."""
-    return any(classify(user) == "matmul" and _feeds_fused(user) for user in through_free(node.users, lambda n: n.users))
+    return any(classify(user) == "matmul" and _feeds_fused(user)
+               for user in through_free(node.users, lambda n: n.users))
 
 
 def _fed_by_fused(node: torch.fx.Node) -> bool:
@@ -510,8 +511,8 @@ def is_glue(node: torch.fx.Node) -> bool:
 
     Input glue: a cat/clone/_to_copy/logical_not whose output feeds a fused op (through views).
     Weight glue: a ``cat`` feeding a matmul whose output feeds a fused op (the merged gate/up weight
-    built in the graph). Output glue: a ``_to_copy`` (dtype cast) of a fused op's output. A clone *of* a fused op's output
-    that feeds something else (repeat_kv after a fused rotary) is ordinary work, not glue.
+    built in the graph). Output glue: a ``_to_copy`` (dtype cast) of a fused op's output. A clone *of* a fused op's
+    output that feeds something else (repeat_kv after a fused rotary) is ordinary work, not glue.
     """
     if classify(node) != "vector" or node.target._schema.name not in GLUE_OP_NAMES:
         return False

@@ -550,7 +550,8 @@ def run(quick: bool = False) -> dict:
         }
     result["packed"] = {}
     for name, config, label, lengths in packed:
-        result["packed"][f"{name} T={sum(lengths)} as {label}"] = measure_packed(name, config, lengths, dtype, packed_modes)
+        key = f"{name} T={sum(lengths)} as {label}"
+        result["packed"][key] = measure_packed(name, config, lengths, dtype, packed_modes)
     return result
 
 

@@ -156,14 +156,14 @@ def record_aot(slot: dict, graph: torch.fx.GraphModule, inputs: Sequence, partit
 
 
 def capture_layers(model_class, cfg, variants: Sequence[LayerVariant], tokens: int, dtype: torch.dtype,
-                   inference: bool, verl_patches, *, canonical: Callable[[LayerVariant], bool] = lambda variant: True,
+                   inference: bool, patches, *, canonical: Callable[[LayerVariant], bool] = lambda variant: True,
                    batch: int = 1, packing: Sequence[int] | None = None,
                    flash_attention: bool | None = None) -> dict[str, dict]:
     """Capture the decoder layers of ``model_class`` built from ``cfg`` once under fake tensors (``batch`` rows of
     ``tokens``); each variant's AOT graphs (module docstring).
 
-    The variants must agree on ``verl`` (one Dynamo capture of one model code; ``verl_patches()`` is entered for
-    verl variants). Each gets :func:`fused_aten_graph` (unless ``canonical(variant)`` is False: a graph applying a
+    The variants must agree on ``verl`` (one Dynamo capture of one model code; ``patches()``, verl's patches of this
+    model, is entered for verl variants). Each gets :func:`fused_aten_graph` (unless ``canonical(variant)`` is False: a graph applying a
     custom ``autograd.Function``, which canonicalization refuses, is handed over as captured), then
     :func:`record_aot`.
 
@@ -200,7 +200,7 @@ def capture_layers(model_class, cfg, variants: Sequence[LayerVariant], tokens: i
         return gm.forward  # both graphs are recorded; Dynamo runs the captured graph once, on fake tensors
 
     start = time.perf_counter()
-    with fresh_capture(variants, verl_patches), contextlib.ExitStack() as stack:
+    with fresh_capture(variants, patches), contextlib.ExitStack() as stack:
         kwargs = {}
         with FakeTensorMode(allow_non_fake_inputs=True):
             model = model_class._from_config(cfg, attn_implementation="sdpa", dtype=dtype)
@@ -211,6 +211,8 @@ def capture_layers(model_class, cfg, variants: Sequence[LayerVariant], tokens: i
             stack.enter_context(npu_flash_attention_2(model, packing or (tokens,)))
         if not inference:
             model.norm = torch.nn.Identity()  # decoder layers only
+        # inference keeps the final norm: every layer's two norms then follow a residual add in both L=1 and L=2
+        # (npu_add_rms_norm), and the per-forward work holds layer 0's add-free input norm instead
         model.train(not inference)
         with torch.set_grad_enabled(not inference):
             torch.compile(model, backend=backend, fullgraph=True)(inputs_embeds=inputs_embeds, **kwargs)

@@ -1,4 +1,4 @@
-"""``check`` never runs out of memory: its estimate (:func:`qwen_npu_compile.cli.check.models.memory_plan`) covers
+"""``check`` never runs out of memory: its estimate (:func:`qwen_npu_compile.cli.check.memory.memory_plan`) covers
 every tensor it creates and is checked against the peak resident set of a real ``check`` subprocess
 (``ru_maxrss``); above the available memory it exits 2 within seconds, before building anything, and
 says what fits (fewer ``--layers``, ``--mode infer``, a smaller preset).
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ import pytest
 import torch
 
 from qwen_npu_compile import cli
-from qwen_npu_compile.cli.check import models
+from qwen_npu_compile.cli.check import memory, models
 
 GIB = 2**30
 
@@ -43,7 +42,7 @@ def _measured_check(argv: list[str], cwd) -> tuple[int, int, str]:
 
 def _estimate(model: str, layers: int, seq_len: int, dtype=torch.bfloat16, train=True) -> int:
     config = models.resolve_model_config(model)
-    return models.memory_plan(config, layers=layers, batch=1, seq_len=seq_len, dtype=dtype, train=train,
+    return memory.memory_plan(config, layers=layers, batch=1, seq_len=seq_len, dtype=dtype, train=train,
                               reference=dtype != torch.float32).total
 
 
@@ -62,7 +61,7 @@ def test_estimate_covers_the_measured_peak_of_a_vocab_heavy_model(vocab_heavy_di
     status, peak, out = _measured_check([str(vocab_heavy_dir), *args], tmp_path)
     assert status == 0, out
     config = models.resolve_model_config(str(vocab_heavy_dir))
-    estimate = models.memory_plan(config, layers=1, batch=1, seq_len=16, dtype=torch.float32, train=True).total
+    estimate = memory.memory_plan(config, layers=1, batch=1, seq_len=16, dtype=torch.float32, train=True).total
     print(f"vocab-heavy fp32 train: estimate {estimate / GIB:.2f} GiB, measured peak {peak / GIB:.2f} GiB")
     assert peak <= estimate <= peak + 1.5 * GIB, (estimate / GIB, peak / GIB)
 
@@ -86,7 +85,7 @@ def test_estimate_covers_the_measured_peak_of_presets(preset, layers, seq_len, d
 
 def test_check_that_cannot_fit_exits_2_in_seconds_saying_what_fits(monkeypatch, capsys):
     # llama-3.1-8b at 2 layers is 1.49 B parameters (the 128k-vocab embedding and head are 1.05 B of them)
-    monkeypatch.setattr(models, "available_memory_bytes", lambda: 12 * GIB)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 12 * GIB)
     start = time.perf_counter()
     assert cli.main(["check", "llama-3.1-8b", "--layers", "2", "--seq-len", "32"]) == 2
     assert time.perf_counter() - start < 10
@@ -100,7 +99,7 @@ def test_check_that_cannot_fit_exits_2_in_seconds_saying_what_fits(monkeypatch, 
 
 
 def test_no_layer_count_fits_suggests_smaller_presets(monkeypatch, capsys):
-    monkeypatch.setattr(models, "available_memory_bytes", lambda: 8 * GIB)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 8 * GIB)
     assert cli.main(["check", "qwen2.5-72b"]) == 2
     err = capsys.readouterr().err
     assert "try --layers 1 with a smaller preset (" in err and "qwen2.5-0.5b" in err and "qwen2.5-72b," not in err
@@ -114,14 +113,14 @@ def test_llama_2_layers_fits_a_24_gb_host():
 
 def test_plan_counts_each_part_once_at_its_peak():
     config = models.resolve_model_config("qwen2.5-0.5b")
-    plan = models.memory_plan(config, layers=1, batch=1, seq_len=16, dtype=torch.bfloat16, train=True, reference=True)
+    plan = memory.memory_plan(config, layers=1, batch=1, seq_len=16, dtype=torch.bfloat16, train=True, reference=True)
     assert list(plan.phases) == ["fp32 reference", "eager", "compiled", "comparing"]
     assert plan.total == max(plan.phases.values()) + GIB
     assert sum(plan.parts.values()) == plan.phases[plan.peak_phase]
-    params = models.estimate_num_parameters(config, layers=1)
+    params = memory.estimate_num_parameters(config, layers=1)
     # the reference run holds the bf16 model, its fp32 copy, fp32 gradients and the tied matrix's gradient sum
     assert plan.peak_phase == "fp32 reference"
     assert plan.parts["parameters"] == params * 2 and plan.parts["fp32 reference parameters"] == params * 4
     assert plan.parts["fp32 reference tied-embedding gradient sum"] == 2 * 151936 * 896 * 4
-    infer = models.memory_plan(config, layers=1, batch=1, seq_len=16, dtype=torch.bfloat16, train=False, reference=True)
+    infer = memory.memory_plan(config, layers=1, batch=1, seq_len=16, dtype=torch.bfloat16, train=False, reference=True)
     assert infer.total < plan.total and not any("gradients" in part for part in infer.parts)

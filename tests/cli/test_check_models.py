@@ -8,15 +8,11 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from qwen_npu_compile.cli.check import models
-from qwen_npu_compile.cli.check.models import (
-    PRESETS,
-    build_model,
-    estimate_memory_bytes,
-    estimate_num_parameters,
-    resolve_model_config,
-)
+from qwen_npu_compile.cli.check import memory, models
+from qwen_npu_compile.cli.check.memory import estimate_memory_bytes, estimate_num_parameters
+from qwen_npu_compile.cli.check.models import build_model, resolve_model_config
 from qwen_npu_compile.cli.check.models import tiny_qwen2_config as tiny_config
+from qwen_npu_compile.cli.check.presets import PRESETS
 
 REQUIRED_PRESETS = {
     "qwen2-0.5b",
@@ -269,7 +265,7 @@ def test_estimate_memory_validates():
 
 
 def test_available_memory_bytes_positive():
-    assert models.available_memory_bytes() > 0
+    assert memory.available_memory_bytes() > 0
 
 
 def test_invalid_qwen2_config_json_is_a_value_error(tmp_path):

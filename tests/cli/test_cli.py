@@ -6,10 +6,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from qwen_npu_compile import cli
-from qwen_npu_compile.cli.check import harness, models
+from qwen_npu_compile.cli.check import harness, memory, models, presets
 from qwen_npu_compile.cli.check.models import tiny_qwen2_config
 
 
@@ -121,7 +120,7 @@ def test_version_presets_and_python_dash_m(capsys):
     assert (done.returncode, done.stdout.strip()) == (0, f"qwen-npu-compile {__version__}")
     assert cli.main(["presets"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == len(models.PRESETS)
+    assert len(lines) == len(presets.PRESETS)
     assert any(line.startswith("qwen3.5-0.8b") and "qwen3_5_text" in line and "24 layers, hidden 1024" in line
                for line in lines)
 
@@ -164,7 +163,7 @@ def test_the_delta_rules_backward_op_is_expected_once_per_fusion():
 
 
 def test_memory_refusal_suggests_layers(monkeypatch, capsys):
-    monkeypatch.setattr(models, "available_memory_bytes", lambda: 8 * 2**30)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 8 * 2**30)
     assert cli.main(["check", "qwen2.5-72b"]) == 2
     err = capsys.readouterr().err
     assert "GiB needed" in err and "try --layers" in err

@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from qwen_npu_compile import cli
-from qwen_npu_compile.cli.check import models, presets
+from qwen_npu_compile.cli.check import memory, models, presets
 from qwen_npu_compile.patterns import expected_fusions
 
 pytestmark = pytest.mark.skipif(not hasattr(transformers, "Qwen3_5ForCausalLM"),
@@ -74,7 +74,6 @@ def test_hybrid_presets_are_data_and_models_reexports_them():
     imported = [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
     assert all(isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in {"__future__", "typing"}
                for node in imported), [ast.dump(node) for node in imported]
-    assert models.PRESETS is presets.PRESETS
     assert set(SOURCED) <= set(models.preset_names())
 
 
@@ -100,8 +99,8 @@ def test_parameter_count_is_the_meta_device_models(name):
         built = config if layers is None else models.with_layers(config, layers)
         with torch.device("meta"):
             model = models._model_class(built)._from_config(built)
-        assert models.estimate_num_parameters(config, layers=layers) == sum(p.numel() for p in model.parameters())
-    assert models.estimate_num_parameters(config) == PARAMETERS[name]
+        assert memory.estimate_num_parameters(config, layers=layers) == sum(p.numel() for p in model.parameters())
+    assert memory.estimate_num_parameters(config) == PARAMETERS[name]
 
 
 def test_parameter_counts_match_the_published_totals():
@@ -113,9 +112,9 @@ def test_parameter_counts_match_the_published_totals():
 def test_memory_plan_of_a_moe_hybrid_and_its_refusal(monkeypatch, capsys):
     # Qwen3.5-MoE has no intermediate_size; 4 layers of Qwen3-Next are 7.2 B parameters (experts: 6.4 B)
     config = models.with_vocab_size(models.resolve_model_config("qwen3.5-35b-a3b"), 4096)
-    plan = models.memory_plan(config, layers=4, batch=1, seq_len=16, dtype=torch.bfloat16, train=True, reference=True)
-    assert plan.parts["parameters"] == models.estimate_num_parameters(config, layers=4) * 2
-    monkeypatch.setattr(models, "available_memory_bytes", lambda: 20 * GIB)
+    plan = memory.memory_plan(config, layers=4, batch=1, seq_len=16, dtype=torch.bfloat16, train=True, reference=True)
+    assert plan.parts["parameters"] == memory.estimate_num_parameters(config, layers=4) * 2
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 20 * GIB)
     assert cli.main(["check", "qwen3-next-80b-a3b", "--layers", "4", "--vocab-size", "4096", "--seq-len", "16"]) == 2
     err = capsys.readouterr().err
     assert "GiB needed for 4 layer(s) of qwen3-next-80b-a3b" in err and "try --layers 1" in err

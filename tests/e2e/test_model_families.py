@@ -11,10 +11,10 @@ import pytest
 import torch
 import transformers
 
-from tests.helpers.numerics import assert_parity
-from qwen_npu_compile.cli.check import models
 from qwen_npu_compile import ALL_FAMILIES
+from qwen_npu_compile.cli.check import memory, model_types, models
 from qwen_npu_compile.patterns import expected_fusions
+from tests.helpers.numerics import assert_parity
 
 LAYERS = 2
 TINY = dict(models.TINY_QWEN2, num_hidden_layers=LAYERS)
@@ -83,8 +83,8 @@ def test_gpt2_compiles_with_one_line_per_graph_and_no_warnings(caplog):
 def test_family_presets(spelling, config_class, billions, norms):
     config = models.resolve_model_config(spelling)
     assert type(config).__name__ == config_class
-    assert models.estimate_num_parameters(config) / 1e9 == pytest.approx(billions, abs=0.01)
-    assert models.rms_norms_per_layer(config) == norms
+    assert memory.estimate_num_parameters(config) / 1e9 == pytest.approx(billions, abs=0.01)
+    assert model_types.rms_norms_per_layer(config) == norms
     assert config.head_dim == 128
 
 
@@ -92,4 +92,4 @@ def test_qwen3_preset_builds_two_layers():
     model, info = models.build_model("qwen3-0.6b", layers=2, dtype=torch.bfloat16, attn="sdpa")
     assert isinstance(model, transformers.Qwen3ForCausalLM) and len(model.model.layers) == 2
     assert info["config"]["model_type"] == "qwen3" and info["config"]["head_dim"] == 128
-    assert info["num_parameters"] == models.estimate_num_parameters(model.config, layers=2)
+    assert info["num_parameters"] == memory.estimate_num_parameters(model.config, layers=2)

@@ -15,11 +15,11 @@ import pytest
 import torch
 import transformers
 
-from tests.helpers.numerics import assert_parity
 from qwen_npu_compile import ALL_FAMILIES
-from qwen_npu_compile.cli.check import models
+from qwen_npu_compile.cli.check import models, presets
 from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.report import SUMMARY
+from tests.helpers.numerics import assert_parity
 
 LAYERS = 2
 #: Family fields a tiny version keeps from its preset (everything else is made small).
@@ -48,7 +48,7 @@ def tiny_version(name: str):
 def _dense_cases() -> list:
     groups: dict[str, list[str]] = {}
     for name in models.preset_names():
-        if models.PRESETS[name].get("model_type") in HYBRID_MODEL_TYPES:
+        if presets.PRESETS[name].get("model_type") in HYBRID_MODEL_TYPES:
             continue  # (resolving them needs transformers >= 5 for Qwen3.5)
         config = tiny_version(name)
         if "moe" in config.model_type or config.model_type in HYBRID_MODEL_TYPES:

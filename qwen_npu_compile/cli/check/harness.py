@@ -15,7 +15,7 @@ import time
 import torch
 
 from qwen_npu_compile import patterns
-from qwen_npu_compile.cli.check import model_folder, models, parity
+from qwen_npu_compile.cli.check import memory, model_folder, models, parity
 from qwen_npu_compile.cli.check.device import check_device, describe_device, device_memory_bytes
 from qwen_npu_compile.config import ALL_FAMILIES, QwenNpuConfig
 from qwen_npu_compile.integrations.torch_compiler import torch_compile
@@ -222,7 +222,7 @@ def run_check(args: argparse.Namespace) -> dict:
     labels = padding_labels(input_ids, attention_mask)
 
     # The fp32 reference runs first: its fp32 copy of the model is freed before the eager run, so the
-    # peak holds one fp32 model, not an fp32 model beside the eager run's gradients (models.memory_plan).
+    # peak holds one fp32 model, not an fp32 model beside the eager run's gradients (memory.memory_plan).
     reference = None
     losses: list = []  # the yardstick's loss (train): a NaN or inf one leaves nothing to compare against
     if half:
@@ -342,11 +342,11 @@ def run_check(args: argparse.Namespace) -> dict:
 
 
 def check_memory(model: str, config, *, layers: int, batch: int, seq_len: int, dtype: torch.dtype, train: bool,
-                 autocast: bool = False, device: torch.device | None = None) -> models.MemoryPlan:
+                 autocast: bool = False, device: torch.device | None = None) -> memory.MemoryPlan:
     """Refuse a check that would not fit in memory, before anything is built.
 
-    The estimate is :func:`qwen_npu_compile.cli.check.models.memory_plan` (every tensor the check creates,
-    run by run); the memory is :func:`~qwen_npu_compile.cli.check.models.available_memory_bytes`
+    The estimate is :func:`qwen_npu_compile.cli.check.memory.memory_plan` (every tensor the check creates,
+    run by run); the memory is :func:`~qwen_npu_compile.cli.check.memory.available_memory_bytes`
     (``MemAvailable``; 0, unknown, means no check); on an NPU ``device`` the smaller of that and the NPU's free
     memory (:func:`~.device.device_memory_bytes`: the model, its gradients and activations live there).
 
@@ -359,12 +359,12 @@ def check_memory(model: str, config, *, layers: int, batch: int, seq_len: int, d
     """
     half = dtype != torch.float32
 
-    def plan(cfg, n_layers: int, mode_train: bool) -> models.MemoryPlan:
-        return models.memory_plan(cfg, layers=n_layers, batch=batch, seq_len=seq_len, dtype=dtype, train=mode_train,
+    def plan(cfg, n_layers: int, mode_train: bool) -> memory.MemoryPlan:
+        return memory.memory_plan(cfg, layers=n_layers, batch=batch, seq_len=seq_len, dtype=dtype, train=mode_train,
                                   reference=half, autocast=autocast)
 
     wanted = plan(config, layers, train)
-    have = models.available_memory_bytes()
+    have = memory.available_memory_bytes()
     on_device = device_memory_bytes(device) if device is not None else 0
     if on_device:
         have = min(have, on_device) if have else on_device
@@ -380,7 +380,7 @@ def check_memory(model: str, config, *, layers: int, batch: int, seq_len: int, d
         smaller = []
         for name in models.preset_names():
             other = models.resolve_model_config(name)
-            if models.estimate_num_parameters(other, layers=1) < models.estimate_num_parameters(config, layers=1) \
+            if memory.estimate_num_parameters(other, layers=1) < memory.estimate_num_parameters(config, layers=1) \
                     and plan(other, 1, train).total <= have:
                 smaller.append(name)
         if smaller:

@@ -29,23 +29,14 @@ import torch
 import transformers
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from qwen_npu_compile.cli.check.memory import (
-    MemoryPlan,
-    available_memory_bytes,
-    estimate_memory_bytes,
-    estimate_num_parameters,
-    memory_plan,
-)
 from qwen_npu_compile.cli.check.model_types import (
     FAMILIES,
-    HYBRID_MODEL_TYPES,
     MULTIMODAL_TEXT_TYPES,
     SUPPORTED_MODEL_TYPES,
     _family,
-    rms_norms_per_layer,
 )
 from qwen_npu_compile.cli.check.names import normalize_preset_name as _normalize_preset_name
-from qwen_npu_compile.cli.check.presets import PRESETS  # noqa: F401  (this module's public name)
+from qwen_npu_compile.cli.check.presets import PRESETS
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ its ``PassConfig``): built from a :class:`~qwen_npu_compile.config.QwenNpuConfig
 (:meth:`FusionPasses.from_config`), it runs one :class:`~qwen_npu_compile.fusion.family.FamilyPass` per
 enabled family in registry order (``qwen_npu_compile.patterns.FAMILIES``) and says, for every disabled
 family, where its anchor ops show that it could have fused. :func:`fuse` is the public entry point
-(the backend and ``benchmarks/traffic.py`` call it)::
+(the backend and ``benchmarks/capture.py`` call it)::
 
     result = fuse(aten_gm, QwenNpuConfig.from_options({"fusions": "all"}),
                   target=CompileTarget(downstream="aot_eager", simulated=True))

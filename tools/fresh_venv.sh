@@ -17,3 +17,25 @@ cleanup() {
 trap cleanup EXIT
 "$python" -m venv "$tmp/venv"
 pip=("$tmp/venv/bin/python" -m pip --disable-pip-version-check)
+
+# run_tests WHAT [pytest args...]: pytest in the venv from the checkout, `set -e` off; prints how long it took and
+# records a failure in `status` (the script's exit status: the first failing run's).
+status=0
+run_tests() {
+    local what=$1 began=$(date +%s) code
+    shift
+    set +e
+    (cd "$repo" && "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider "$@")
+    code=$?
+    set -e
+    echo "$NAME: $what took $(( $(date +%s) - began ))s (pytest exit $code)"
+    [[ $status -ne 0 ]] || status=$code
+}
+
+# run_on_simulated_host WHAT test files...: run_tests on the simulated Ascend host, in a pytest process of its own
+# (the stand-in torch_npu of tests/ascend_host/stand_in first on PYTHONPATH).
+run_on_simulated_host() {
+    local what=$1
+    shift
+    PYTHONPATH="$repo/tests/ascend_host/stand_in" run_tests "simulated Ascend host $what" "$@"
+}

@@ -30,17 +30,8 @@ import importlib.metadata as m
 print("kernels_hub_check: " + ", ".join(f"{d} {m.version(d)}" for d in ("torch", "transformers", "kernels", "huggingface-hub")))'
 echo "kernels_hub_check: install took $(( installed - start ))s"
 
-set +e
-(cd "$repo" && "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile \
+run_tests tests -n 2 --dist loadfile \
     tests/substitutions/test_deltanet_bindings.py tests/substitutions/test_deltanet_whole_model.py tests/substitutions/test_deltanet_packed.py \
-    tests/e2e/test_hybrid_models.py tests/cli/test_cli.py)
-status=$?
-tested=$(date +%s)
-echo "kernels_hub_check: tests took $(( tested - installed ))s (pytest exit $status)"
-(cd "$repo" && PYTHONPATH="$repo/tests/ascend_host/stand_in" "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider \
-    tests/ascend_host/test_gated_delta_rule_npu.py)
-sim_status=$?
-echo "kernels_hub_check: simulated Ascend host Gated DeltaNet tests took $(( $(date +%s) - tested ))s (pytest exit $sim_status)"
-[[ $status -ne 0 ]] || status=$sim_status
-set -e
+    tests/e2e/test_hybrid_models.py tests/cli/test_cli.py
+run_on_simulated_host "Gated DeltaNet tests" tests/ascend_host/test_gated_delta_rule_npu.py
 exit $status

@@ -33,19 +33,9 @@ import verl.workers.engine.fsdp.transformer_impl
 print(f"verl_env_check: verl {verl.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
       f"accelerate {accelerate.__version__}")' 2>&1 | grep '^verl_env_check' || { echo "verl_env_check: preflight import failed"; exit 1; }
 
-set +e
-(cd "$repo" && "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests/integrations/test_verl_hook.py tests/integrations/test_trainer.py tests/integrations/test_verl_moe_patch.py \
-    tests/integrations/test_verl_qwen3_5.py tests/integrations/test_verl_npu_patch.py tests/substitutions/test_deltanet_packed.py \
-    tests/integrations/test_verl_fsdp_turbo.py)
-status=$?
-echo "verl_env_check: tests took $(( $(date +%s) - installed ))s (pytest exit $status)"
-# 5. verl on the simulated Ascend host (its own NPU branches: is_npu_available, FSDPEngine.__init__'s npu_patch),
-#    in a pytest process of its own: the stand-in torch_npu (tests/ascend_host/stand_in) first on PYTHONPATH
-sim_start=$(date +%s)
-(cd "$repo" && PYTHONPATH="$repo/tests/ascend_host/stand_in" "$tmp/venv/bin/python" -m pytest -q -p no:cacheprovider \
-    tests/ascend_host/test_verl_npu_patch_on_npu.py)
-sim_status=$?
-echo "verl_env_check: simulated Ascend host verl tests took $(( $(date +%s) - sim_start ))s (pytest exit $sim_status)"
-[[ $status -ne 0 ]] || status=$sim_status
-set -e
+run_tests tests -n 2 --dist loadfile tests/integrations/test_verl_hook.py tests/integrations/test_trainer.py \
+    tests/integrations/test_verl_moe_patch.py tests/integrations/test_verl_qwen3_5.py tests/integrations/test_verl_npu_patch.py \
+    tests/substitutions/test_deltanet_packed.py tests/integrations/test_verl_fsdp_turbo.py
+# 5. verl on the simulated Ascend host (its own NPU branches: is_npu_available, FSDPEngine.__init__'s npu_patch)
+run_on_simulated_host "verl tests" tests/ascend_host/test_verl_npu_patch_on_npu.py
 exit $status

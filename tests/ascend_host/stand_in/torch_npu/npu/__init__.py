@@ -250,15 +250,12 @@ def stream(stream=None):
 
 
 def is_current_stream_capturing() -> bool:
+    """The simulated card never captures a stream (no ACL graphs); never in a bad fork, initialised at import."""
     return False
 
 
-def _is_in_bad_fork() -> bool:
-    return False
-
-
-def _lazy_init() -> None:
-    return None
+_is_in_bad_fork = is_current_stream_capturing
+_lazy_init = init
 
 
 # ---- autocast, as torch.npu.amp ----

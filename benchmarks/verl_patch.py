@@ -140,7 +140,7 @@ def npu_flash_attention_2(model: torch.nn.Module, lengths) -> Iterator[None]:
     ``.contiguous()`` copies of q/k/v are counted). Inside the block:
 
     * transformers takes its NPU path with our ``npu`` ops
-      (:func:`qwen_npu_compile.integrations.npu_host.simulated_npu_host`), and the NPU functions are loaded
+      (:func:`tests.helpers.npu_host.simulated_npu_host`), and the NPU functions are loaded
       before compiling (transformers requires that for ``fullgraph``);
     * the compressed mask is in transformers' per-device cache (verl builds it once per process), so it
       is an input of the graph, not built in it;
@@ -162,7 +162,7 @@ def npu_flash_attention_2(model: torch.nn.Module, lengths) -> Iterator[None]:
     from transformers import modeling_flash_attention_utils as fa_utils
     from transformers.integrations import npu_flash_attention
 
-    from qwen_npu_compile.integrations.npu_host import simulated_npu_host
+    from tests.helpers.npu_host import simulated_npu_host
 
     lengths = [int(n) for n in lengths]
     offsets = packing_offsets(lengths)

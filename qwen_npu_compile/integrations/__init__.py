@@ -7,7 +7,6 @@ verl's FSDP engine, ``VERL_USE_EXTERNAL_MODULES=qwen_npu_compile.verl``) and :mo
 * :mod:`.torch_compiler` -- ``torch.compile`` with this backend, without looking ``torch.compile`` up (MindSpeed
   replaces it);
 * :mod:`.fsdp1` -- FSDP1's flattened parameters, refused with one line naming the fix;
-* :mod:`.npu_host` -- whether this is an Ascend host, and the simulated one for tests;
 * :mod:`.verl_npu_patch` -- verl's ``npu_patch`` and this backend side by side.
 
 Importing this package imports none of them.

@@ -123,7 +123,8 @@ def one(folder: str, kind: str) -> dict:
     ``forward_backward_batch`` with verl's ``sft_loss``, ``optimizer_step``), gradients read before the update."""
     from verl.workers.utils.losses import sft_loss
 
-    from qwen_npu_compile.worker import clean_name, layer_reports
+    from qwen_npu_compile.layers import clean_name
+    from qwen_npu_compile.worker import layer_reports
 
     torch._dynamo.reset()
     engine = engine_for(folder, kind)

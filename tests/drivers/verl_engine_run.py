@@ -200,7 +200,8 @@ def run(settings: dict, model_dir: str) -> dict:
     from verl.workers.utils.losses import sft_loss
 
     from qwen_npu_compile.report import SUMMARY
-    from qwen_npu_compile.worker import clean_name, layer_reports
+    from qwen_npu_compile.layers import clean_name
+    from qwen_npu_compile.worker import layer_reports
 
     torch._dynamo.reset()
     SUMMARY.clear()
@@ -274,7 +275,7 @@ def run(settings: dict, model_dir: str) -> dict:
 def _rank(rank: int, world_size: int, spec_path: str, out_path: str, model_dir: str) -> None:
     """One gloo rank: every scenario in order (the ranks of a scenario with Ulysses sp=2 form its group);
     rank 0 writes ``out_path``."""
-    from qwen_npu_compile.integrations.npu_host import simulated_npu_host
+    from tests.helpers.npu_host import simulated_npu_host
 
     set_platform(CPUPlatform())
     torch.set_num_threads(1)

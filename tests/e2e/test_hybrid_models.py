@@ -248,7 +248,7 @@ def test_whole_model_packed_steps_compile_at_most_two_graphs(npu_ops, attn):
     new number of sequences nearly every step: at most 2 graphs (the first shape, then a dynamic one), each with
     the Gated DeltaNet as 3 ops and exact counts, and every step's loss and gradients equal eager's with each
     sequence run alone (the DeltaNet per sequence, as attention: ``patterns/gated_delta_rule_packed.py``)."""
-    from qwen_npu_compile.integrations.npu_host import simulated_npu_host
+    from tests.helpers.npu_host import simulated_npu_host
 
     host = simulated_npu_host() if attn == "flash_attention_2" else contextlib.nullcontext()
     with host:

@@ -21,7 +21,7 @@ from tests.helpers.models import packed_row, tiny_moe
 from tests.helpers.numerics import assert_runs_match
 from qwen_npu_compile import maybe_compile
 from qwen_npu_compile.cli.check.harness import fp32_reference, run_model
-from qwen_npu_compile.integrations.npu_host import simulated_npu_host
+from tests.helpers.npu_host import simulated_npu_host
 from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.patterns.attention import TAKEOVER_VARIANT
 from qwen_npu_compile.worker import ENV_COMPILE

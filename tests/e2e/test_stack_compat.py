@@ -200,7 +200,7 @@ def test_per_layer_packed_sequences_run_varlen_attention(attn, record_property):
     shared by the layers, parity with the eager run of each packing (issues 18, 19)."""
     import contextlib
 
-    from qwen_npu_compile.integrations.npu_host import simulated_npu_host
+    from tests.helpers.npu_host import simulated_npu_host
 
     host = simulated_npu_host() if attn == "flash_attention_2" else contextlib.nullcontext()
     with host:

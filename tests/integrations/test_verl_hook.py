@@ -519,7 +519,7 @@ def test_the_real_verl_has_the_hooked_function():
 # size, gradient checkpointing, FSDP2; Ulysses sp=2 on 2 gloo ranks
 
 #: verl's defaults; flash_attention_2 runs transformers' own NPU flash-attention functions with the
-#: simulated npu ops (qwen_npu_compile.integrations.npu_host.simulated_npu_host, entered by the driver).
+#: simulated npu ops (tests.helpers.npu_host.simulated_npu_host, entered by the driver).
 DEFAULT_PATH = {"strategy": "fsdp2", "attn_implementation": "flash_attention_2", "use_remove_padding": True,
                 "use_dynamic_bsz": True, "gradient_checkpointing": True, "steps": 6}
 DEFAULT_SCENARIOS = {

@@ -43,7 +43,7 @@ from qwen_npu_compile import ensure_npu_ops, maybe_compile  # noqa: E402
 from qwen_npu_compile.cli.check.harness import fp32_reference, run_model  # noqa: E402
 from qwen_npu_compile.cli.check.models import tiny_qwen2  # noqa: E402
 from qwen_npu_compile.integrations import verl_npu_patch  # noqa: E402
-from qwen_npu_compile.integrations.npu_host import simulated_npu_host  # noqa: E402
+from tests.helpers.npu_host import simulated_npu_host  # noqa: E402
 from qwen_npu_compile.patterns import FAMILIES, expected_fusions  # noqa: E402
 from qwen_npu_compile.worker import ENV_COMPILE  # noqa: E402
 

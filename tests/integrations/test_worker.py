@@ -19,7 +19,8 @@ import qwen_npu_compile
 from qwen_npu_compile import ALL_FAMILIES, maybe_compile
 from qwen_npu_compile.cli.check.models import tiny_qwen2_config
 from qwen_npu_compile.patterns import expected_fusions
-from qwen_npu_compile.worker import ENV_COMPILE, CompiledLayers, clean_name, find_decoder_layers, layer_reports
+from qwen_npu_compile.layers import clean_name, find_decoder_layers
+from qwen_npu_compile.worker import ENV_COMPILE, CompiledLayers, layer_reports
 
 LAYERS = 2
 PER_LAYER = expected_fusions(Qwen2Config(), per_layer=True)  # one Qwen2 decoder layer

@@ -4,7 +4,7 @@ verl's default input (``use_remove_padding``): ``input_ids (1, T)``, ``position_
 0 per sequence, no attention mask, ``use_cache=False``. The references are the same model run eagerly
 without ``QWEN_NPU_COMPILE``: for ``sdpa`` transformers' block-diagonal mask, for ``flash_attention_2``
 transformers' own NPU flash-attention functions (``npu_fusion_attention`` TND / BSND) driven with our
-stand-ins (:func:`qwen_npu_compile.integrations.npu_host.simulated_npu_host`), as on an Ascend host.
+stand-ins (:func:`tests.helpers.npu_host.simulated_npu_host`), as on an Ascend host.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from qwen_npu_compile import maybe_compile
 from qwen_npu_compile.cli.check.harness import run_model
 from qwen_npu_compile.cli.check.models import tiny_qwen2_config
 from qwen_npu_compile.substitutions import varlen_attention as varlen
-from qwen_npu_compile.integrations.npu_host import simulated_npu_host
+from tests.helpers.npu_host import simulated_npu_host
 from qwen_npu_compile.ops.qwen_npu import varlen_attention
 from qwen_npu_compile.worker import ENV_COMPILE
 

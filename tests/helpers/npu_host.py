@@ -1,4 +1,5 @@
-"""Drive transformers' own Ascend NPU flash-attention path on a host without an NPU (tests, benchmarks).
+"""Drive transformers' own Ascend NPU flash-attention path on a host without an NPU (tests and benchmarks; test
+infrastructure, outside the package).
 
 On an Ascend host, ``attn_implementation="flash_attention_2"`` (verl's default) does not use the
 ``flash_attn`` package: transformers' ``_lazy_imports`` sees ``is_torch_npu_available()`` and installs

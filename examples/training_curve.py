@@ -67,7 +67,7 @@ DEFAULT_PNG = REPO / "docs" / "figures" / "training_curve.png"
 
 #: A tiny Qwen3.5 text model: 3 Gated DeltaNet layers and 1 full-attention layer (transformers' default
 #: ``layer_types`` for 4 layers), 4 query / 2 KV heads of 64 with the output gate and partial rotary, DeltaNet
-#: 2 key / 4 value heads of 32, conv kernel 4. The widths of the project's tests (tests/conftest.py).
+#: 2 key / 4 value heads of 32, conv kernel 4. The widths of the project's tests (tests/helpers/models.py).
 TINY_QWEN3_5 = dict(
     vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
     num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,

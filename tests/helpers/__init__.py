@@ -13,6 +13,7 @@
 - :mod:`.verl_npu_patch`: verl's own ``npu_patch`` run on a CPU (a throwaway ``torch_npu`` over the stand-in ops).
 - :mod:`.fla`: an FLA-like Gated DeltaNet kernel to bind where transformers or verl bind FLA's.
 - :mod:`.mindspeed_stand_in`: a stand-in ``mindspeed`` package written to disk.
+- :mod:`.npu_host`: transformers' own Ascend NPU flash-attention path, driven on a host without an NPU.
 
 ``tests`` is a regular package (``tests/__init__.py``) so that ``tests.helpers`` is this folder even where another
 ``tests`` package is installed; the test folders themselves are not packages (pytest imports their files by

@@ -30,7 +30,7 @@ def fa_grad(*args, **kwargs):
 # plain-torch reference
 
 
-def make_qkv(layout, b, nq, nkv, sq, skv, d, dtype, requires_grad=True, seed=0):
+def layout_qkv(layout, b, nq, nkv, sq, skv, d, dtype, requires_grad=True, seed=0):
     """``[q, k, v]`` in ``layout`` (``nq`` / ``nkv`` heads, ``sq`` / ``skv`` tokens, head dim ``d``)."""
     shapes = {
         "BNSD": lambda n, s: (b, n, s, d),
@@ -123,7 +123,7 @@ def tolerances(dtype):
 
 @pytest.mark.parametrize("layout,b,nq,nkv,sq,skv,d,dtype,mask_kind", CASES)
 def test_forward_and_backward_match_sdpa(layout, b, nq, nkv, sq, skv, d, dtype, mask_kind):
-    q, k, v = make_qkv(layout, b, nq, nkv, sq, skv, d, dtype)
+    q, k, v = layout_qkv(layout, b, nq, nkv, sq, skv, d, dtype)
     kwargs, keep = mask_setup(mask_kind, b, sq, skv)
     scale = 1 / math.sqrt(d)
     res = fa(q, k, v, nq, layout, scale=scale, **kwargs)
@@ -153,7 +153,7 @@ def test_forward_and_backward_match_sdpa(layout, b, nq, nkv, sq, skv, d, dtype, 
 
 def test_softmax_statistics_are_row_max_and_sum():
     b, nq, nkv, s, d = 2, 4, 2, 6, 64
-    q, k, v = make_qkv("BNSD", b, nq, nkv, s, s, d, torch.float32, requires_grad=False)
+    q, k, v = layout_qkv("BNSD", b, nq, nkv, s, s, d, torch.float32, requires_grad=False)
     kwargs, keep = mask_setup("pad_causal", b, s, s)
     scale = 0.125
     _, smax, ssum, *_ = fa(q, k, v, nq, "BNSD", scale=scale, **kwargs)
@@ -167,7 +167,7 @@ def test_softmax_statistics_are_row_max_and_sum():
 
 def test_fully_masked_rows_with_inner_precise_2_are_zero_and_finite():
     layout, b, nq, nkv, s, d = "BSND", 2, 4, 2, 6, 64
-    q, k, v = make_qkv(layout, b, nq, nkv, s, s, d, torch.float32)
+    q, k, v = layout_qkv(layout, b, nq, nkv, s, s, d, torch.float32)
     # left padding: batch 1 has 3 padded keys; causal on top -> query rows 0..2 of batch 1 see nothing
     key_ok = torch.arange(s) >= torch.tensor([0, 3])[:, None]
     keep = causal_keep(s, s)[None, None] & key_ok[:, None, None, :]
@@ -191,7 +191,7 @@ def test_fully_masked_rows_with_inner_precise_2_are_zero_and_finite():
 
 
 def test_inner_precise_0_also_zeroes_fully_masked_rows():
-    q, k, v = make_qkv("BNSD", 1, 2, 2, 4, 4, 64, torch.float32, requires_grad=False)
+    q, k, v = layout_qkv("BNSD", 1, 2, 2, 4, 4, 64, torch.float32, requires_grad=False)
     mask = torch.zeros(4, 4, dtype=torch.bool)
     mask[0] = True
     out = fa(q, k, v, 2, "BNSD", atten_mask=mask, scale=0.125, inner_precise=0)[0]
@@ -199,7 +199,7 @@ def test_inner_precise_0_also_zeroes_fully_masked_rows():
 
 
 def test_uint8_mask_equals_bool_mask():
-    q, k, v = make_qkv("BNSD", 2, 4, 2, 5, 5, 64, torch.float32, requires_grad=False)
+    q, k, v = layout_qkv("BNSD", 2, 4, 2, 5, 5, 64, torch.float32, requires_grad=False)
     kwargs, _ = mask_setup("pad_causal", 2, 5, 5)
     bool_out = fa(q, k, v, 4, "BNSD", scale=0.125, **kwargs)[0]
     kwargs["atten_mask"] = kwargs["atten_mask"].to(torch.uint8)
@@ -207,7 +207,7 @@ def test_uint8_mask_equals_bool_mask():
 
 
 def test_pse_is_added_before_scaling():
-    q, k, v = make_qkv("BNSD", 1, 2, 2, 5, 5, 64, torch.float32, requires_grad=False)
+    q, k, v = layout_qkv("BNSD", 1, 2, 2, 5, 5, 64, torch.float32, requires_grad=False)
     pse = torch.randn(1, 2, 5, 5)
     out = fa(q, k, v, 2, "BNSD", pse=pse, scale=0.125)[0]
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=0.125 * pse, scale=0.125)
@@ -220,7 +220,7 @@ def test_pse_is_added_before_scaling():
 
 def test_dropout_is_deterministic_in_seed_and_offset_and_its_gradient_is_exact():
     layout, b, nq, nkv, s, d, kp = "BSND", 2, 4, 2, 5, 64, 0.75
-    q, k, v = make_qkv(layout, b, nq, nkv, s, s, d, torch.float32)
+    q, k, v = layout_qkv(layout, b, nq, nkv, s, s, d, torch.float32)
     kwargs, keep = mask_setup("pad_causal", b, s, s)
     res = fa(q, k, v, nq, layout, scale=0.125, keep_prob=kp, seed=1234, offset=7, **kwargs)
     out, *_, seed, offset, numels = res
@@ -252,7 +252,7 @@ def test_dropout_is_deterministic_in_seed_and_offset_and_its_gradient_is_exact()
 
 def _bad(name):
     """Arguments that must be refused: (args, kwargs, match, also checked by the fake kernel)."""
-    q, k, v = make_qkv("BNSD", 1, 4, 2, 4, 4, 64, torch.float32, requires_grad=False)
+    q, k, v = layout_qkv("BNSD", 1, 4, 2, 4, 4, 64, torch.float32, requires_grad=False)
     cmask = attention_contract.compressed_causal_mask()
     cases = {
         "tnd": ((q[0], k[0], v[0], 4, "TND"), {}, "TND", True),
@@ -291,7 +291,7 @@ def test_refused_arguments(name):
 
 def test_mask_is_ignored_without_one_even_for_causal_modes():
     # documented: with atten_mask=None, sparse_mode / pre / next have no effect (full attention)
-    q, k, v = make_qkv("BNSD", 1, 2, 2, 4, 4, 64, torch.float32, requires_grad=False)
+    q, k, v = layout_qkv("BNSD", 1, 2, 2, 4, 4, 64, torch.float32, requires_grad=False)
     full = fa(q, k, v, 2, "BNSD", scale=0.125)[0]
     torch.testing.assert_close(fa(q, k, v, 2, "BNSD", scale=0.125, sparse_mode=2)[0], full, atol=0, rtol=0)
     torch.testing.assert_close(fa(q, k, v, 2, "BNSD", scale=0.125, next_tockens=0)[0], full, atol=0, rtol=0)
@@ -318,7 +318,7 @@ def test_fake_tensor_shapes_and_dtypes():
 
 def test_grad_op_outputs_directly():
     layout, nq, nkv = "BSND", 4, 2
-    q, k, v = make_qkv(layout, 2, nq, nkv, 5, 5, 64, torch.bfloat16, requires_grad=False)
+    q, k, v = layout_qkv(layout, 2, nq, nkv, 5, 5, 64, torch.bfloat16, requires_grad=False)
     dy = torch.randn(q.shape).to(torch.bfloat16)
     dq, dk, dv, dpse, dsink = fa_grad(q, k, v, dy, nq, layout, scale_value=0.125, inner_precise=2)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
@@ -328,7 +328,7 @@ def test_grad_op_outputs_directly():
 
 
 def test_opcheck():
-    q, k, v = make_qkv("BSND", 2, 4, 2, 5, 5, 64, torch.float32)
+    q, k, v = layout_qkv("BSND", 2, 4, 2, 5, 5, 64, torch.float32)
     kwargs, _ = mask_setup("pad_causal", 2, 5, 5)
     torch.library.opcheck(torch.ops.npu.npu_fusion_attention.default, (q, k, v, 4, "BSND"), dict(scale=0.125, **kwargs))
     dy = torch.randn(q.shape)
@@ -342,7 +342,7 @@ def test_opcheck():
 @pytest.mark.parametrize("keep_prob", [1.0, 0.8])
 def test_aot_backward_graph_contains_grad_op(keep_prob):
     layout, nq, s = "BNSD", 4, 5
-    q, k, v = make_qkv(layout, 2, nq, 2, s, s, 64, torch.float32)
+    q, k, v = layout_qkv(layout, 2, nq, 2, s, s, 64, torch.float32)
     mask = attention_contract.compressed_causal_mask()
 
     def fn(q, k, v, mask):

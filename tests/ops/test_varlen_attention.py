@@ -26,7 +26,7 @@ def fa(*args, **kwargs):
     return torch.ops.npu.npu_fusion_attention.default(*args, **kwargs)
 
 
-def make_qkv(lens, nq, nkv, d, dtype=torch.float32, dv=None, seed=0):
+def tnd_qkv(lens, nq, nkv, d, dtype=torch.float32, dv=None, seed=0):
     """TND ``q, k, v`` of sequences of ``lens`` (``nq`` / ``nkv`` heads, head dim ``d``, value dim ``dv``)."""
     t = sum(lens)
     return random_qkv((t, nq, d), (t, nkv, d), dtype, v_shape=(t, nkv, dv or d), seed=seed)
@@ -63,7 +63,7 @@ def grads(out, inputs, dy):
 
 @pytest.mark.parametrize("nq,nkv,d", [(4, 2, 64), (14, 2, 128), (4, 4, 64)])
 def test_fp32_values_and_gradients_match_per_sequence_sdpa(nq, nkv, d):
-    q, k, v = make_qkv(LENS, nq, nkv, d)
+    q, k, v = tnd_qkv(LENS, nq, nkv, d)
     scale = d ** -0.5
     out, softmax_max, softmax_sum = va.OP(q, k, v, ends_of(LENS), nq, scale)
     expected = reference(q, k, v, LENS, scale)
@@ -76,7 +76,7 @@ def test_fp32_values_and_gradients_match_per_sequence_sdpa(nq, nkv, d):
 
 
 def test_bf16_within_bf16_rounding_of_the_fp32_reference():
-    q, k, v = make_qkv(LENS, 4, 2, 64, torch.bfloat16)
+    q, k, v = tnd_qkv(LENS, 4, 2, 64, torch.bfloat16)
     out, _, _ = va.OP(q, k, v, ends_of(LENS), 4, 0.125)
     assert out.dtype == torch.bfloat16
     expected = reference(q, k, v, LENS, 0.125)  # fp32 math on the bf16 inputs
@@ -89,7 +89,7 @@ def test_bf16_within_bf16_rounding_of_the_fp32_reference():
 
 
 def test_softmax_statistics_are_the_row_max_and_sum_of_each_sequence():
-    q, k, v = make_qkv(LENS, 4, 2, 64)
+    q, k, v = tnd_qkv(LENS, 4, 2, 64)
     _, softmax_max, softmax_sum = va.OP(q, k, v, ends_of(LENS), 4, 0.125)
     start = 0
     for n in LENS:
@@ -103,7 +103,7 @@ def test_softmax_statistics_are_the_row_max_and_sum_of_each_sequence():
 
 
 def test_sparse_modes_two_and_three_agree_and_zero_is_unmasked():
-    q, k, v = make_qkv(LENS, 4, 2, 64)
+    q, k, v = tnd_qkv(LENS, 4, 2, 64)
     ends = ends_of(LENS)
     mode3 = va.OP(q, k, v, ends, 4, 0.125)[0]
     torch.testing.assert_close(va.OP(q, k, v, ends, 4, 0.125, 2)[0], mode3, atol=0, rtol=0)
@@ -116,8 +116,8 @@ def test_sparse_modes_two_and_three_agree_and_zero_is_unmasked():
 def test_stand_in_tnd_with_different_query_and_key_lengths(mode):
     # cross-length sequences: left-up (2) masks j > i, right-down (3) masks j > i + Skv - Sq
     q_lens, kv_lens = [3, 5], [5, 7]
-    q, _, _ = make_qkv(q_lens, 4, 2, 64)
-    _, k, v = make_qkv(kv_lens, 4, 2, 64, seed=1)
+    q, _, _ = tnd_qkv(q_lens, 4, 2, 64)
+    _, k, v = tnd_qkv(kv_lens, 4, 2, 64, seed=1)
     q_ends, kv_ends = ends_of(q_lens).tolist(), ends_of(kv_lens).tolist()
     out = fa(q, k, v, 4, "TND", atten_mask=compressed_causal_mask(), scale=0.125, actual_seq_qlen=q_ends,
              actual_seq_kvlen=kv_ends, sparse_mode=mode)[0]
@@ -130,7 +130,7 @@ def test_stand_in_tnd_with_different_query_and_key_lengths(mode):
 
 def test_stand_in_tnd_skips_an_empty_sequence():
     # the stand-in's offsets only need to be non-decreasing: an empty sequence contributes nothing
-    q, k, v = make_qkv([16, 16], 4, 2, 64)
+    q, k, v = tnd_qkv([16, 16], 4, 2, 64)
     mask = compressed_causal_mask()
     with_empty = fa(q, k, v, 4, "TND", atten_mask=mask, scale=0.125, actual_seq_qlen=[16, 16, 32],
                     actual_seq_kvlen=[16, 16, 32], sparse_mode=3)
@@ -157,7 +157,7 @@ def npu_flash(monkeypatch):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_transformers_npu_flash_attn_varlen_func(npu_flash, causal):
-    q, k, v = make_qkv(LENS, 4, 2, 64)
+    q, k, v = tnd_qkv(LENS, 4, 2, 64)
     cu = torch.tensor([0, *ends_of(LENS).tolist()], dtype=torch.int32)
     out = npu_flash.npu_flash_attn_varlen_func(q, k, v, cu, cu, max(LENS), max(LENS), causal=causal)
     expected = reference(q, k, v, LENS, 64 ** -0.5, causal=causal)
@@ -168,7 +168,7 @@ def test_transformers_npu_flash_attn_varlen_func(npu_flash, causal):
 
 
 def test_transformers_npu_flash_attn_func_single_sequence_bsnd(npu_flash):
-    q, k, v = make_qkv([12], 4, 2, 64)
+    q, k, v = tnd_qkv([12], 4, 2, 64)
     out = npu_flash.npu_flash_attn_func(q[None], k[None], v[None], causal=True)  # [1, S, N, D] BSND
     torch.testing.assert_close(out[0], reference(q, k, v, [12], 0.125), atol=2e-6, rtol=2e-5)
     torch.testing.assert_close(out[0], va.OP(q, k, v, ends_of([12]), 4, 0.125)[0], atol=2e-6, rtol=2e-5)
@@ -183,7 +183,7 @@ def _attention_from_positions(q, k, v, position_ids):
 
 
 def test_make_fx_symbolic_traces_symbolic_t_and_unbacked_sequence_count():
-    q, k, v = (t.detach() for t in make_qkv(LENS, 4, 2, 64))
+    q, k, v = (t.detach() for t in tnd_qkv(LENS, 4, 2, 64))
     gm = make_fx(_attention_from_positions, tracing_mode="symbolic")(q, k, v, packed_positions(LENS))
     assert call_targets(gm).count(va.OP) == 1 and call_targets(gm).count(va.SEQ_ENDS_OP) == 1
     [ends] = gm.graph.find_nodes(op="call_function", target=va.SEQ_ENDS_OP)
@@ -195,13 +195,13 @@ def test_make_fx_symbolic_traces_symbolic_t_and_unbacked_sequence_count():
     assert isinstance(out_shape[0], torch.SymInt) and list(out_shape[1:]) == [4, 64]
     # the traced graph runs another packing, another T
     lens = [3, 3, 10, 6]
-    q2, k2, v2 = (t.detach() for t in make_qkv(lens, 4, 2, 64, seed=3))
+    q2, k2, v2 = (t.detach() for t in tnd_qkv(lens, 4, 2, 64, seed=3))
     torch.testing.assert_close(gm(q2, k2, v2, packed_positions(lens)), reference(q2, k2, v2, lens, 0.125), atol=2e-6, rtol=2e-5)
 
 
 def test_aot_autograd_backward_graph_holds_varlen_attention_backward():
     compiled, graphs = aot_traced(lambda q, k, v, ends: va.OP(q, k, v, ends, 4, 0.125)[0])
-    q, k, v = make_qkv(LENS, 4, 2, 64)
+    q, k, v = tnd_qkv(LENS, 4, 2, 64)
     out = compiled(q, k, v, ends_of(LENS))
     dy = torch.randn_like(out)
     got = grads(out, (q, k, v), dy)
@@ -227,7 +227,7 @@ def test_compile_dynamic_one_graph_pair_for_every_packing(fullgraph):
     compiled = torch.compile(_attention_from_positions, fullgraph=fullgraph, dynamic=True,
                              backend=aot_autograd(fw_compiler=record, bw_compiler=record))
     for seed, lens in enumerate([LENS, [3, 3, 10], [7, 7, 7, 7, 7, 1]]):
-        q, k, v = make_qkv(lens, 4, 2, 64, seed=seed)
+        q, k, v = tnd_qkv(lens, 4, 2, 64, seed=seed)
         out = compiled(q, k, v, packed_positions(lens))
         dy = torch.randn_like(out)
         got = grads(out, (q, k, v), dy)
@@ -259,7 +259,7 @@ def _square(shapes, tokens):
 
 def test_no_tensor_of_t_by_t_forward_and_backward():
     lens = [16, 16, 16, 16]
-    q, k, v = make_qkv(lens, 4, 2, 64)
+    q, k, v = tnd_qkv(lens, 4, 2, 64)
     ends = ends_of(lens)
 
     def step():
@@ -383,7 +383,7 @@ def test_supported_calls_have_no_violation():
 
 
 def test_op_and_fake_raise_the_reason():
-    q, k, v = make_qkv(LENS, 4, 2, 64)
+    q, k, v = tnd_qkv(LENS, 4, 2, 64)
     with pytest.raises(RuntimeError, match="qwen_npu::varlen_attention: .*CANN >= 9.0"):
         va.OP(q, k, v, torch.tensor([5, 22]), 4, 0.125)
     with pytest.raises(RuntimeError, match="int64"):
@@ -397,7 +397,7 @@ def test_op_and_fake_raise_the_reason():
 
 
 def test_graph_limits_lookup_covers_the_varlen_ops():
-    q, k, v = (t.detach() for t in make_qkv(LENS, 4, 2, 64))
+    q, k, v = (t.detach() for t in tnd_qkv(LENS, 4, 2, 64))
     gm = make_fx(_attention_from_positions, tracing_mode="symbolic")(q, k, v, packed_positions(LENS))
     [node] = gm.graph.find_nodes(op="call_function", target=va.OP)
     assert "fp16/bf16" in limits.node_violation(node, "torchair")  # fp32 q/k/v: GE refuses
@@ -422,7 +422,7 @@ def test_graph_limits_lookup_covers_the_varlen_ops():
     ],
 )  # fmt: skip
 def test_stand_in_tnd_refusals(kwargs, match):
-    q, k, v = (t.detach() for t in make_qkv([16, 16], 4, 2, 64))
+    q, k, v = (t.detach() for t in tnd_qkv([16, 16], 4, 2, 64))
     kwargs = dict(kwargs)
     if "actual_seq_qlen" not in kwargs and kwargs:
         kwargs.update(actual_seq_qlen=[16, 32], actual_seq_kvlen=[16, 32])
@@ -437,7 +437,7 @@ def test_stand_in_tnd_fake_matches_the_wheels_meta_kernel():
     from tests.helpers.wheel_contracts import load_meta_kernels, output_differences
 
     kernels = load_meta_kernels(wheel.obtain_sources(torch.__version__).meta_registrations)
-    q, k, v = (t.detach().bfloat16() for t in make_qkv(LENS, 4, 2, 64))
+    q, k, v = (t.detach().bfloat16() for t in tnd_qkv(LENS, 4, 2, 64))
     ends = ends_of(LENS).tolist()
     common = dict(atten_mask=compressed_causal_mask(), actual_seq_qlen=ends, actual_seq_kvlen=ends, sparse_mode=3)
     stats = torch.rand(32, 4, 8)
@@ -452,7 +452,7 @@ def test_stand_in_tnd_fake_matches_the_wheels_meta_kernel():
 
 def test_opcheck():
     # schema, fake kernel, autograd registration and AOTAutograd (static and dynamic) of each op
-    q, k, v = make_qkv([3, 6, 2], 4, 2, 64)
+    q, k, v = tnd_qkv([3, 6, 2], 4, 2, 64)
     ends = ends_of([3, 6, 2])
     torch.library.opcheck(va.OP, (q, k, v, ends, 4, 0.125))
     out, smax, ssum = (t.detach() for t in va.OP(q, k, v, ends, 4, 0.125))

@@ -90,7 +90,7 @@ log = logging.getLogger(__name__)
 #: The model and shape of the full run: Qwen3-30B-A3B (E = 128 experts, top-k = 8), T = 4096 tokens.
 MODEL = "qwen3-30b-a3b"
 TOKENS = 4096
-#: The quick run: a tiny Qwen3-MoE (hidden 64, 4 experts, top-2, head_dim 64; ``tests/conftest.py``'s ``tiny_moe``
+#: The quick run: a tiny Qwen3-MoE (hidden 64, 4 experts, top-2, head_dim 64; ``tests/helpers/models.py``'s ``tiny_moe``
 #: shapes), T = 16 tokens.
 QUICK_TOKENS = 16
 
@@ -288,7 +288,7 @@ def model_shape(config, tokens: int, dtype: torch.dtype) -> dict:
 
 
 def tiny_config():
-    """The quick run's tiny Qwen3-MoE: ``tests/conftest.py``'s ``tiny_moe("qwen3_moe")`` shapes (hidden 64, 4 experts,
+    """The quick run's tiny Qwen3-MoE: ``tests/helpers/models.py``'s ``tiny_moe("qwen3_moe")`` shapes (hidden 64, 4 experts,
     top-2, ``moe_intermediate_size`` 32, head_dim 64, 4 / 2 heads), 2 layers."""
     import transformers
 

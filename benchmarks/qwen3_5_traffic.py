@@ -91,7 +91,7 @@ aten = torch.ops.aten
 #: The model and shape of the full run: Qwen3.5-27B's text widths, S = 4096 tokens.
 MODEL = "qwen3.5-27b"
 TOKENS = 4096
-#: The quick run: a tiny Qwen3.5 (``tests/conftest.py``'s ``tiny_hybrid("qwen3_5")`` shapes), S = 128 (2 chunks).
+#: The quick run: a tiny Qwen3.5 (``tests/helpers/models.py``'s ``tiny_hybrid("qwen3_5")`` shapes), S = 128 (2 chunks).
 QUICK_TOKENS = 128
 
 #: Qwen3.5-27B's text config (``Qwen/Qwen3.5-27B`` ``config.json`` ``text_config``): attention and MLP widths as in
@@ -107,7 +107,7 @@ QWEN3_5_27B = dict(
                      "mrope_section": [11, 11, 10], "mrope_interleaved": True},
     use_cache=False,
 )
-#: ``tests/conftest.py``'s ``_TINY_HYBRID`` (hidden 128, head_dim 64, 4 / 2 heads, linear 2 key / 4 value heads
+#: ``tests/helpers/models.py``'s ``TINY_HYBRID`` (hidden 128, head_dim 64, 4 / 2 heads, linear 2 key / 4 value heads
 #: of 32) with ``intermediate_size`` 256.
 TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,

@@ -32,11 +32,11 @@ histc take integers and keep the dtype, but torch's CPU and Meta kernels refuse 
 not implemented for 'torch.int64'"), so a CPU FakeTensor graph cannot hold that call. :func:`histc_int` is a
 one-kernel custom op ``qwen_npu_bench::histc_int`` with the same signature and output (int64 ``[E]``, the ids'
 dtype), i.e. exactly one kernel reading ``S`` int64 ids and writing ``E`` int64 counts, as on the NPU. A float
-cast around ``torch.histc`` (what ``tests/e2e/test_verl_moe_patch.py`` uses to *run* verl's code on a CPU) would
+cast around ``torch.histc`` (what ``tests/integrations/test_verl_moe_patch.py`` uses to *run* verl's code on a CPU) would
 add two cast kernels that verl's NPU graph does not have.
 
 Everything is applied by :func:`verl_moe_patches` inside a ``with`` block only. verl's code itself is not imported
-(no torch_npu here); ``tests/e2e/test_moe_benchmarks.py`` checks this model against verl's real block (forward
+(no torch_npu here); ``tests/benchmarks/test_moe_benchmarks.py`` checks this model against verl's real block (forward
 and gradients equal) where verl is installed.
 """
 

@@ -30,7 +30,7 @@ Qwen2.5-VL / Qwen3 MLPs only, not to ``Qwen3_5MLP``). Attention runs as verl's d
 NPU host (:func:`benchmarks.verl_patch.npu_flash_attention_2`), as in the dense and MoE verl-style rows.
 
 Everything is applied by :func:`verl_qwen3_5_patches` inside a ``with`` block only. verl's code itself is not
-imported (no torch_npu here); ``tests/e2e/test_qwen3_5_benchmarks.py`` checks these functions against verl's real
+imported (no torch_npu here); ``tests/benchmarks/test_qwen3_5_benchmarks.py`` checks these functions against verl's real
 ones where verl is installed (same output and gradients), and against the notes' description everywhere.
 """
 

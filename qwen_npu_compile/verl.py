@@ -78,7 +78,7 @@ from qwen_npu_compile.worker import compile_requested, maybe_compile
 
 log = logging.getLogger("qwen_npu_compile")
 
-#: The verl release the hook was checked against (the engine code read and driven by tests/e2e/test_verl_hook.py).
+#: The verl release the hook was checked against (the engine code read and driven by tests/integrations/test_verl_hook.py).
 CHECKED_VERL_VERSION = "0.9.1"
 #: The package whose import completes the FSDP engine classes (``transformer_impl`` and ``fsdp_turbo_impl``).
 ENGINE_PACKAGE = "verl.workers.engine.fsdp"

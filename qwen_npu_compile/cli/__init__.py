@@ -39,7 +39,7 @@ from qwen_npu_compile.config import ALL_FAMILIES  # no torch
 
 # No torch, transformers or pattern import at module level: ``--help``, argument errors and ``report`` need
 # none of them and answer in a fraction of a second; ``check`` imports them in :func:`main`. The names the
-# parser shows are therefore spelled here; tests/e2e/test_newcomer.py keeps them equal to their sources
+# parser shows are therefore spelled here; tests/cli/test_user_messages.py keeps them equal to their sources
 # (``check.harness.DTYPES``, ``config.DOWNSTREAMS``; the families: ``config.ALL_FAMILIES``).
 
 #: ``--dtype`` choices (the keys of :data:`qwen_npu_compile.cli.check.harness.DTYPES`).

@@ -19,7 +19,7 @@ the backward reads is saved (kept alive from the forward to the backward) unless
 
 Never attention, matmuls, grouped matmuls or the delta rule (their outputs are saved as before), never a random
 op. Recomputing a deterministic op gives the same bits, so values and gradients equal ``recompute="none"``'s
-(``tests/e2e/test_recompute.py``). ``"none"`` (the default) leaves the joint graph untagged: today's partition.
+(``tests/handoff/test_recompute.py``). ``"none"`` (the default) leaves the joint graph untagged: today's partition.
 
 torchair has no partitioner option: the hand-off wraps its module-level ``_get_partition_fn`` (the only hook it
 has; :func:`qwen_npu_compile.handoff.torchair.recompute_in_torchair`) so that, for this compile's ``CompilerConfig``, the

@@ -80,7 +80,7 @@ def _hybrid(prefix: str) -> tuple[Target, ...]:
 
 
 #: Per verl 0.9.1 ``NPU_PATCHES`` key: the names its patch function sets whose transformers form a family fuses
-#: in a decoder layer graph (exact per-layer counts with and without verl's patch: tests/e2e/test_verl_npu_patch.py).
+#: in a decoder layer graph (exact per-layer counts with and without verl's patch: tests/integrations/test_verl_npu_patch.py).
 #: Everything else a patch function sets stays verl's: ``qwen2_5_vl``, ``qwen3_vl``, ``qwen3_vl_moe`` (not checked
 #: per layer against verl's; Qwen2.5-VL's vision blocks share its MLP class; ``qwen3_vl_moe`` replaces the sparse MoE
 #: block *class*, which a compiled layer then holds: it compiles unfused, as without the takeover).

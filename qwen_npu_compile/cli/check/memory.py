@@ -70,7 +70,7 @@ def _hybrid_num_parameters(config: Any, layers: int) -> int:
 
     A formula, not a meta-device build: ``check`` evaluates it for every preset before building anything (the
     memory refusal), and the first import of a transformers modeling module alone costs ~5 s.
-    ``tests/e2e/test_hybrid_presets.py`` pins it to ``sum(p.numel())`` of the model built on the meta device,
+    ``tests/cli/test_hybrid_presets.py`` pins it to ``sum(p.numel())`` of the model built on the meta device,
     for every hybrid preset, whole and cut to 4 layers. Per layer, with ``h`` hidden, ``K = linear_num_key_heads
     · linear_key_head_dim``, ``Vd = linear_num_value_heads · linear_value_head_dim``, ``nv`` value heads:
 
@@ -190,7 +190,7 @@ def memory_plan(
     their difference, its absolute value) of one block of :data:`.parity.BLOCK_ELEMENTS` elements.
 
     The peak is the largest phase plus a fixed 1 GiB (:attr:`MemoryPlan.runtime`). Checked against the
-    peak resident set measured by ``tests/e2e/test_check_memory.py`` (``ru_maxrss`` of a ``check``
+    peak resident set measured by ``tests/cli/test_check_memory.py`` (``ru_maxrss`` of a ``check``
     subprocess) on presets of different vocab and width; see docs/check.md, "Memory".
 
     Raises:

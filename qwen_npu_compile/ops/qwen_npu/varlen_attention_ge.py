@@ -40,7 +40,7 @@ q/k/v dtypes fp16/bf16), on the FakeTensors torchair attaches to the inputs, and
 conversion check (:mod:`qwen_npu_compile.torchair.offline.convert`) instead of building a GE graph that
 cannot run.
 
-What is verified without an NPU (``tests/e2e/test_torchair_varlen.py``, torchair of the torch_npu 2.13.0
+What is verified without an NPU (``tests/torchair/test_torchair_varlen.py``, torchair of the torch_npu 2.13.0
 wheel, off-NPU): that forward and backward graphs holding these ops convert with 0 failures, static and
 dynamic T, bf16 and fp16; the GE node types, their ``input_layout``/``sparse_mode``/``head_num`` attributes
 and the inputs wired to ``actual_seq_qlen``/``actual_seq_kvlen``/``atten_mask``; that a CPU int64 graph

@@ -24,7 +24,7 @@ import torch
 from qwen_npu_compile.compat import guard_or_false
 from qwen_npu_compile.ops.define import define_op
 
-#: torch_npu 2.13.0's schema, verbatim (``tests/e2e/test_torchair_offline.py`` compares it with the wheel's).
+#: torch_npu 2.13.0's schema, verbatim (``tests/torchair/test_torchair_offline.py`` compares it with the wheel's).
 NPU_SCHEMA = (
     "npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, Tensor[]? scale=None, "
     "Tensor[]? offset=None, Tensor[]? antiquant_scale=None, Tensor[]? antiquant_offset=None, "

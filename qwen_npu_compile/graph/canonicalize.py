@@ -13,17 +13,17 @@ new guards); see ``docs/how-it-works.md``.
 
 The graph is then normalised so that one subgraph has one spelling: no-op ``aten.to`` casts (an fp32
 tensor cast to fp32) are removed. The same normalisation runs on every traced pattern
-(:func:`trace_pattern`), so patterns and graphs always agree. Graphs also lose the full slices of
+(:func:`~qwen_npu_compile.graph.utils.trace_pattern`), so patterns and graphs always agree. Graphs also lose the full slices of
 static dimensions that torch 2.7 records and later versions do not (:func:`remove_noop_slices`).
 
 ``torch.vmap`` in the model (transformers 4.53-4.57 build every attention mask with it) is desugared
 region by region before the retrace, as AOTAutograd would (see :class:`VmapRegion`). The body of each
 activation-checkpointed region (``tag_activation_checkpoint``, non-reentrant ``torch.utils.checkpoint``)
 is canonicalized on its own and kept a region (:func:`canonical_checkpoint_bodies`,
-:func:`fusion_graphs`). Every way the retrace can fail raises :class:`CanonicalizationError`; the
+:func:`~qwen_npu_compile.graph.utils.fusion_graphs`). Every way the retrace can fail raises :class:`CanonicalizationError`; the
 backend then compiles the graph unfused.
 
-The normalisations, :func:`trace_pattern`, the checkpointed-region walks and :func:`node_source` live in
+The normalisations, :func:`~qwen_npu_compile.graph.utils.trace_pattern`, the checkpointed-region walks and :func:`node_source` live in
 :mod:`qwen_npu_compile.graph.utils` (below this module and :mod:`qwen_npu_compile.fusion.family`); they are importable
 from here too.
 """
@@ -341,7 +341,7 @@ class _Retracer(torch.fx.Interpreter):
 # values Dynamo recorded on the call's inputs, and the retrace runs the canonical body in its place
 # (torch 2.7-2.9 keep the body they are given; torch 2.10+ retrace it once more, which leaves a
 # canonical graph canonical). The fusion passes then run on the top-level graph and on every body
-# (:func:`fusion_graphs`): the recomputation in the backward runs the same fused ops.
+# (:func:`~qwen_npu_compile.graph.utils.fusion_graphs`): the recomputation in the backward runs the same fused ops.
 
 
 def canonical_checkpoint_bodies(

@@ -21,13 +21,13 @@ hands TND calls to :mod:`.fusion_attention_tnd`, which imports the contract only
   with ``actual_seq_qlen``/``actual_seq_kvlen`` cumulative ends, computed sequence by sequence, never
   ``T x T``; no dropout, softmax_max/sum ``[T, Nq, 8]``): :mod:`.fusion_attention_tnd`, whose limits are
   :func:`~.attention_contract.tnd_violation`. The rest of this docstring is about the other four layouts.
-  q, k, v share one dtype (fp16/bf16/fp32); Dq == Dk ≤ :data:`MAX_HEAD_DIM`, Dv ≤ Dk; Nq ≤
-  :data:`MAX_QUERY_HEADS`.
+  q, k, v share one dtype (fp16/bf16/fp32); Dq == Dk ≤ :data:`~qwen_npu_compile.ops.attention_contract.MAX_HEAD_DIM`, Dv ≤ Dk; Nq ≤
+  :data:`~qwen_npu_compile.ops.attention_contract.MAX_QUERY_HEADS`.
 - ``atten_mask`` is bool/uint8 with **True (non-zero) = masked out**, the opposite of PyTorch SDPA.
   When it is None nothing is masked and ``sparse_mode``/``pre_tockens``/``next_tockens`` have no effect
   (as documented). ``sparse_mode`` 0: the mask (BNSS/B1SS/11SS/SS) is used as given, and keys outside
   the band ``i - pre_tockens <= j <= i + next_tockens`` (left-up origin) are masked too. 2 / 3: the mask
-  must be the compressed :func:`compressed_causal_mask` (2048 x 2048 ``triu(ones, 1)``) and the kernel
+  must be the compressed :func:`~qwen_npu_compile.ops.attention_contract.compressed_causal_mask` (2048 x 2048 ``triu(ones, 1)``) and the kernel
   builds the real causal mask: left-up masks ``j > i``, right-down masks ``j > i + (Skv - Sq)``.
   Other modes raise.
 - Fully masked rows give 0 output, ``softmax_max = -inf`` and ``softmax_sum = 0``, and no gradient,

@@ -42,6 +42,7 @@ import sys
 import tempfile
 import traceback
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -275,6 +276,7 @@ def run(settings: dict, model_dir: str) -> dict:
 def _rank(rank: int, world_size: int, spec_path: str, out_path: str, model_dir: str) -> None:
     """One gloo rank: every scenario in order (the ranks of a scenario with Ulysses sp=2 form its group);
     rank 0 writes ``out_path``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests.helpers
     from tests.helpers.npu_host import simulated_npu_host
 
     set_platform(CPUPlatform())

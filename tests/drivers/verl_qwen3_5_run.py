@@ -23,9 +23,9 @@ import torch
 import transformers
 from transformers.models.qwen3_5 import modeling_qwen3_5 as M
 import verl.models.transformers.qwen3_5 as VQ
-from tests.helpers.npu_host import simulated_npu_host
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests.helpers
 from tests.helpers.fla import fla_like_chunk_gated_delta_rule as fla_like_kernel
+from tests.helpers.npu_host import simulated_npu_host
 
 LOGITS = 3
 FLA_CALLS = []

@@ -34,7 +34,7 @@ import torch.fx
 from torch._inductor import pattern_matcher as pm
 
 from qwen_npu_compile import compat
-from qwen_npu_compile.fusion import near_miss as foreign_anchors
+from qwen_npu_compile.fusion import near_miss
 from qwen_npu_compile.graph.utils import node_source, trace_pattern
 
 log = logging.getLogger(__name__)
@@ -157,9 +157,10 @@ def layer_kinds(model_config: Any) -> list[str | None]:
 
 
 class FusionFamily:
-    """Base class of a fusion family; subclass it in ``patterns/<family>.py``. The subclass is the one
-    place that declares the family: the registry (``qwen_npu_compile.patterns``), the config's family
-    names, the ``check`` command's expected counts and backward ops are all derived from it.
+    """Base class of a fusion family; subclass it in ``patterns/<family>.py``. The subclass declares everything
+    about the family but its name's place in the pass order (:data:`qwen_npu_compile.config.ALL_FAMILIES`, torch-free):
+    the registry (``qwen_npu_compile.patterns``), the ``check`` command's expected counts and backward ops are derived
+    from it.
 
     Class attributes:
         name: the family name used in options, env vars and reports (``"rms_norm"``).
@@ -547,7 +548,7 @@ class FamilyPass:
         for anchor in self.anchor_nodes(gm.graph):
             if recorder.has(self.family.name, anchor):
                 continue
-            other = foreign_anchors.foreign(anchor)
+            other = near_miss.foreign(anchor)
             if other is not None:  # e.g. the Gated DeltaNet's l2norm rsqrt: not a near miss of this family
                 log.debug("qwen_npu: %s anchor %s at %s: %s", self.family.name, anchor.name, node_source(anchor), other)
                 continue
@@ -560,7 +561,7 @@ class FamilyPass:
 
     def count_anchors(self, graph: torch.fx.Graph) -> int:
         """Anchor ops that could be this family's subgraph: those in another role (:mod:`.near_miss`) left out."""
-        return sum(1 for anchor in self.anchor_nodes(graph) if foreign_anchors.foreign(anchor) is None)
+        return sum(1 for anchor in self.anchor_nodes(graph) if near_miss.foreign(anchor) is None)
 
     def count_fused(self, graph: torch.fx.Graph) -> int:
         """The family's fused ops already in ``graph`` (a monkey-patched model), less those an earlier family's

@@ -94,14 +94,19 @@ def node_source_line(node: torch.fx.Node) -> str:
     return found if found != UNKNOWN else _nearest_user_source(node)
 
 
+def record_aot_ops(report: GraphReport, kind: str, gm: torch.fx.GraphModule) -> None:
+    """Record in ``report`` the npu and qwen_npu op counts of the AOT graph ``gm`` of ``kind`` (forward/backward)."""
+    report.aot_ops[kind] = npu_op_counts(gm.graph)
+    report.aot_qwen_npu_ops[kind] = npu_op_counts(gm.graph, "qwen_npu")
+
+
 def recording_compiler(kind: str, report: GraphReport, config: QwenNpuConfig):
     """An AOT compiler that pins ``kind``'s layouts, records its npu op counts and dumps it, then runs it eagerly."""
     from torch._functorch.aot_autograd import make_boxed_func
 
     def compiler(gm: torch.fx.GraphModule, example_inputs):
         aot_layout.pin_aot_graph(gm, kind, report)
-        report.aot_ops[kind] = npu_op_counts(gm.graph)
-        report.aot_qwen_npu_ops[kind] = npu_op_counts(gm.graph, "qwen_npu")
+        record_aot_ops(report, kind, gm)
         dump.write_graph(config, report, f"aot_{kind}", gm)
         dump.write_report(report, config)
         return make_boxed_func(gm.forward)

@@ -40,8 +40,6 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from qwen_npu_compile.config import RECOMPUTE_SETTINGS
 
-#: The values of option ``recompute`` / ``QWEN_NPU_RECOMPUTE``, default first.
-SETTINGS: tuple[str, ...] = RECOMPUTE_SETTINGS
 #: The op modules that declare ``RECOMPUTE_CHEAP`` (the one place each op's cheapness is stated is its module).
 _OP_MODULES = ("torch_npu.rms_norm", "torch_npu.add_rms_norm", "torch_npu.swiglu", "torch_npu.rotary_mul",
                "qwen_npu.rotary_mul_orthogonal", "qwen_npu.rotary_mul_aten_backward")
@@ -121,15 +119,15 @@ def partition_fn(setting: str, partition: Callable, on_tagged: Callable[[Counter
     """``partition`` (a ``partition_fn(joint, inputs, **kwargs)``), tagging first when ``setting == "cheap"``.
 
     Args:
-        setting: one of :data:`SETTINGS`.
+        setting: one of :data:`~qwen_npu_compile.config.RECOMPUTE_SETTINGS`.
         partition: the partitioner to call (``default_partition``).
         on_tagged: called with :func:`tag_cheap`'s counts (the graph report records them).
 
     Raises:
-        ValueError: ``setting`` is not one of :data:`SETTINGS` (validated earlier by the config).
+        ValueError: ``setting`` is not one of :data:`~qwen_npu_compile.config.RECOMPUTE_SETTINGS` (validated earlier by the config).
     """
-    if setting not in SETTINGS:
-        raise ValueError(f"recompute={setting!r}; choose one of {list(SETTINGS)}")
+    if setting not in RECOMPUTE_SETTINGS:
+        raise ValueError(f"recompute={setting!r}; choose one of {list(RECOMPUTE_SETTINGS)}")
     if setting == "none":
         return partition
 

@@ -21,8 +21,8 @@ import torch.fx
 from qwen_npu_compile import dump
 from qwen_npu_compile.config import QwenNpuConfig, QwenNpuConfigError
 from qwen_npu_compile.handoff import aot_layout, recompute
-from qwen_npu_compile.handoff.fallback import FALLBACK_LOCK, downstream_failed, falls_back
-from qwen_npu_compile.report import GraphReport, npu_op_counts
+from qwen_npu_compile.handoff.fallback import FALLBACK_LOCK, downstream_failed, falls_back, record_aot_ops
+from qwen_npu_compile.report import GraphReport
 
 log = logging.getLogger("qwen_npu_compile")
 
@@ -165,8 +165,7 @@ class _TorchairGuard:
 
     def eager(self, gm: torch.fx.GraphModule, kind: str, when: str, exc: BaseException):
         self.failed.add(kind)
-        self.report.aot_ops[kind] = npu_op_counts(gm.graph)
-        self.report.aot_qwen_npu_ops[kind] = npu_op_counts(gm.graph, "qwen_npu")
+        record_aot_ops(self.report, kind, gm)
         downstream_failed(self.report, self.config, "torchair", "aot_eager", kind, when, exc, runs=self.runs())
 
         def run(*args):

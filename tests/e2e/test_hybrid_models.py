@@ -18,7 +18,7 @@ import pytest
 import torch
 import transformers
 
-from tests.helpers.models import tiny_hybrid, token_ids
+from tests.helpers.models import CPU_GROUPED_MM_BREAK, cpu_grouped_mm_alignment_break, tiny_hybrid, token_ids
 from tests.helpers.numerics import NEAR_TIE_MARGIN, assert_routed_parity, assert_runs_match, judge_routing
 from qwen_npu_compile import maybe_compile
 from qwen_npu_compile.cli.check.harness import fp32_reference, run_model
@@ -68,6 +68,8 @@ def test_whole_model_bf16_training_step_fused_with_parity(npu_ops, family):
     """Parity by :func:`~tests.helpers.numerics.assert_routed_parity` (for the dense families, ``assert_runs_match``
     of the whole step): with transformers 5.10.4 a Qwen3.5-MoE router near-tie (layer 1, row 1 position 1, fp32's
     top-2 gap 5.0e-4) picks other experts in the compiled run, and the tokens it reaches are left out."""
+    if family == "qwen3_5_moe" and cpu_grouped_mm_alignment_break():
+        pytest.skip(CPU_GROUPED_MM_BREAK)
     model = tiny_hybrid(family, torch.bfloat16).train()
     assert_routed_parity(model, _compiled(model), token_ids(256, seq=24))
     # transformers 4.57.6's Qwen3-Next breaks the graph at _update_linear_attn_mask's data-dependent branch

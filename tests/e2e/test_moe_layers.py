@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 
-from tests.helpers.models import packed_row, tiny_moe
+from tests.helpers.models import CPU_GROUPED_MM_BREAK, cpu_grouped_mm_alignment_break, packed_row, tiny_moe
 from tests.helpers.numerics import assert_runs_match
 from qwen_npu_compile import maybe_compile
 from qwen_npu_compile.cli.check.harness import fp32_reference, run_model
@@ -31,20 +31,6 @@ pytestmark = [
     pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,
                        reason="transformers 4.x MoE experts are a per-expert loop (tests/patterns/test_moe.py)"),
 ]
-
-
-def _cpu_alignment_probe() -> bool:
-    """Whether transformers' ``_can_use_grouped_mm`` (``integrations/moe.py``) reads ``data_ptr()`` of CPU tensors
-    here: transformers 5.10.4 does on torch <= 2.10 (grouped_mm's 16-byte alignment before torch 2.11), a graph
-    break per MoE block that exists on a CPU only (the condition starts with ``weight.device.type == "cpu"``;
-    on an NPU it short-circuits) and only for bf16 (other dtypes return earlier under Dynamo)."""
-    import inspect
-
-    from transformers.integrations import moe
-    from transformers.utils.import_utils import is_torch_less_or_equal
-
-    probe = getattr(moe, "_can_use_grouped_mm", None)
-    return probe is not None and "data_ptr()" in inspect.getsource(probe) and is_torch_less_or_equal("2.10.0", accept_dev=True)
 
 
 def _pair(family: str, dtype: torch.dtype, attn: str = "sdpa"):
@@ -65,9 +51,8 @@ CASES = [("qwen3_moe", torch.bfloat16), ("qwen2_moe", torch.float32)]
 
 @pytest.mark.parametrize(("family", "dtype"), CASES, ids=[f for f, _ in CASES])
 def test_each_layer_fuses_its_experts_with_parity_and_strict(monkeypatch, tmp_path, npu_ops, family, dtype):
-    if dtype == torch.bfloat16 and _cpu_alignment_probe():
-        pytest.skip("transformers reads CPU tensors' data_ptr() in _can_use_grouped_mm on this torch (<= 2.10): a "
-                    "CPU-only graph break per MoE block (on an NPU the device check short-circuits it)")
+    if dtype == torch.bfloat16 and cpu_grouped_mm_alignment_break():
+        pytest.skip(CPU_GROUPED_MM_BREAK)
     monkeypatch.setenv(ENV_COMPILE, "1")
     model, reference = _pair(family, dtype)
     layers = maybe_compile(model, {"strict": True, "dump_dir": str(tmp_path)})

@@ -16,6 +16,25 @@ TINY_MOE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidde
                 num_experts=4, num_experts_per_tok=2)  # fmt: skip
 
 
+#: Why a bf16 MoE expert graph is not one graph on a CPU with transformers 5.10.4 and torch <= 2.10.
+CPU_GROUPED_MM_BREAK = ("transformers reads CPU tensors' data_ptr() in _can_use_grouped_mm on this torch (<= 2.10): a "
+                        "CPU-only graph break per MoE block (on an NPU the device check short-circuits it)")
+
+
+def cpu_grouped_mm_alignment_break() -> bool:
+    """Whether transformers' ``_can_use_grouped_mm`` (``integrations/moe.py``) reads ``data_ptr()`` of CPU tensors
+    here: transformers 5.10.4 does on torch <= 2.10 (grouped_mm's 16-byte alignment before torch 2.11), a graph
+    break per MoE block that exists on a CPU only (the condition starts with ``weight.device.type == "cpu"``;
+    on an NPU it short-circuits) and only for bf16 (other dtypes return earlier under Dynamo)."""
+    import inspect
+
+    from transformers.integrations import moe
+    from transformers.utils.import_utils import is_torch_less_or_equal
+
+    probe = getattr(moe, "_can_use_grouped_mm", None)
+    return probe is not None and "data_ptr()" in inspect.getsource(probe) and is_torch_less_or_equal("2.10.0", accept_dev=True)
+
+
 def tiny_moe(family: str, dtype=torch.float32, attn: str = "sdpa", **kwargs):
     """A 2-layer tiny Qwen3-MoE (head_dim 64, top-2 of 4 experts, renormalised) or Qwen2-MoE (head_dim 16,
     shared expert and its sigmoid gate), random weights (seed 0), in ``dtype``; ``kwargs`` go to ``_from_config``."""

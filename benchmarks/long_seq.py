@@ -143,8 +143,8 @@ def one_op(kind: str, seq_len: int, steps: int) -> dict:
 
     import qwen_npu_compile
     from qwen_npu_compile.ops import attention_contract
-    from qwen_npu_compile.ops.torch_npu import fusion_attention as fa
     from qwen_npu_compile.ops.attention_contract import _probabilities, probability_grads, weighted_values
+    from qwen_npu_compile.ops.torch_npu import fusion_attention as fa
 
     qwen_npu_compile.ensure_npu_ops()
     b, n, nkv, d = (OP_SHAPE[k] for k in ("batch", "heads", "kv_heads", "head_dim"))

@@ -25,9 +25,8 @@ import sys
 
 import torch
 
-from qwen_npu_compile.cli.check.harness import DTYPES
 from qwen_npu_compile.cli import positive_int
-
+from qwen_npu_compile.cli.check.harness import DTYPES
 
 #: Largest accepted |loss_compiled - loss_eager| / |loss_eager| per step. Half precision: the fused
 #: kernels compute in fp32 and round once where HF's modeling code rounds intermediates, so the two

@@ -233,9 +233,9 @@ def graph_summary(compiled) -> list[dict]:
 
 def run_model(name: str, args, dtype) -> dict:
     """Both runs of one model: eager and per-layer ``qwen_npu``, from one set of initial weights."""
-    import qwen_npu_compile
-
     import torch
+
+    import qwen_npu_compile
 
     eager = build_model(name, dtype, args.seed)
     ours = copy.deepcopy(eager)  # the same initial weights, bit for bit

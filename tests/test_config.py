@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO
 from qwen_npu_compile.config import ALL_FAMILIES, QwenNpuConfig, QwenNpuConfigError, parse_bool, parse_fusions
-
+from tests.helpers import REPO
 
 
 def test_defaults():

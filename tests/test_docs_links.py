@@ -14,7 +14,6 @@ import pytest
 
 from tests.helpers import REPO
 
-
 README = REPO / "README.md"
 PAGES = sorted([README, REPO / "patterns" / "README.md", *(REPO / "docs").glob("*.md")])
 #: ``[text](target)``, not an image; the target without spaces (markdown's own rule for bare targets)

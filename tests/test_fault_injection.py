@@ -28,17 +28,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO
-from tests.helpers.numerics import assert_runs_match
-from qwen_npu_compile import ALL_FAMILIES, dump, handoff, maybe_compile
-from qwen_npu_compile.graph import canonicalize, emit
-from qwen_npu_compile import cli
+from qwen_npu_compile import ALL_FAMILIES, cli, dump, handoff, maybe_compile
 from qwen_npu_compile.cli.check.harness import run_model
 from qwen_npu_compile.cli.check.models import tiny_qwen2, tiny_qwen2_config
 from qwen_npu_compile.config import QwenNpuConfig
+from qwen_npu_compile.graph import canonicalize, emit
 from qwen_npu_compile.patterns import expected_fusions, get_family_pass
 from qwen_npu_compile.report import SUMMARY, FusionError, GraphReport
 from qwen_npu_compile.worker import ENV_COMPILE, layer_reports
+from tests.helpers import REPO
+from tests.helpers.numerics import assert_runs_match
 
 LAYERS = 1
 SEQ = 16

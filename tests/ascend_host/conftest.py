@@ -17,9 +17,8 @@ if not sim.stand_in_importable():
     raise RuntimeError("tests/ascend_host need the stand-in torch_npu first on the path: run tools/ascend_host_check.sh "
                        "(PYTHONPATH=tests/ascend_host/stand_in python -m pytest -q tests/ascend_host)")
 
-import torch_npu  # noqa: E402,F401  (renames PrivateUse1 to npu, registers the npu ops and the lazy torchair)
-
 import pytest  # noqa: E402
+import torch_npu  # noqa: E402,F401  (renames PrivateUse1 to npu, registers the npu ops and the lazy torchair)
 
 
 @pytest.fixture(scope="session")

@@ -13,15 +13,15 @@ from __future__ import annotations
 import copy
 
 import pytest
+import sim
 import torch
 
-import sim
-from tests.helpers.models import tiny_moe
-from tests.helpers.numerics import assert_runs_match
 from qwen_npu_compile import get_reports, maybe_compile
 from qwen_npu_compile.cli.check.harness import fp32_reference, run_model
 from qwen_npu_compile.cli.check.models import tiny_qwen2
 from qwen_npu_compile.worker import ENV_COMPILE
+from tests.helpers.models import tiny_moe
+from tests.helpers.numerics import assert_runs_match
 
 WHOLE_QWEN2 = {"rms_norm": 5, "swiglu": 2, "rotary": 4, "attention": 2}
 LAYER_QWEN2 = {"rms_norm": 2, "swiglu": 1, "rotary": 2, "attention": 1}

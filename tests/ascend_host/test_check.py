@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 import sim
+
 from qwen_npu_compile import cli
 from qwen_npu_compile.ops import ensure_npu_ops
 

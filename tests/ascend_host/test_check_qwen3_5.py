@@ -5,7 +5,6 @@ and aot_eager: PASS, model on ``npu``, the exact counts of the check off-NPU."""
 from __future__ import annotations
 
 import pytest
-
 import sim
 from test_check import run_cli
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 import sys
 
 import pytest
-import torch
-
 import sim
+import torch
 
 
 def test_import_renames_privateuse1_and_registers_torch_npu(npu):
@@ -188,7 +187,6 @@ def test_hccl_process_group_is_one_rank(npu, tmp_path):
     import types
 
     import torch.distributed as dist
-
     from torch_npu import _distributed
 
     store = dist.FileStore(str(tmp_path / "store"), 1)

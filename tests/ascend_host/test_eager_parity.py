@@ -11,9 +11,9 @@ import copy
 import pytest
 import torch
 
-from tests.helpers.models import tiny_hybrid, tiny_moe
 from qwen_npu_compile.cli.check.harness import run_model
 from qwen_npu_compile.cli.check.models import tiny_qwen2
+from tests.helpers.models import tiny_hybrid, tiny_moe
 
 
 def _models():

@@ -18,13 +18,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import sim
 import torch
 
-import sim
-from tests.helpers.numerics import relative_l2
 from qwen_npu_compile import get_reports
 from qwen_npu_compile.ops.qwen_npu import gated_delta_rule as G
 from qwen_npu_compile.ops.qwen_npu import gated_delta_rule_kernels as K
+from tests.helpers.numerics import relative_l2
 
 STAND_INS = Path(__file__).resolve().parents[1] / "stand_ins"
 OP = torch.ops.qwen_npu.chunk_gated_delta_rule.default

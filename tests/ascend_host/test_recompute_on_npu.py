@@ -8,11 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.models import tiny_hybrid
 from qwen_npu_compile import maybe_compile
 from qwen_npu_compile.cli.check.models import tiny_qwen2
-from qwen_npu_compile.worker import layer_reports
-from qwen_npu_compile.worker import ENV_COMPILE
+from qwen_npu_compile.worker import ENV_COMPILE, layer_reports
+from tests.helpers.models import tiny_hybrid
 
 
 def _step(build, npu, monkeypatch, setting, lengths=(11, 7, 14)):

@@ -36,6 +36,7 @@ if importlib.util.find_spec("verl") is None:
     pytest.skip("verl is not installed here (run in the verl venv: tools/verl_env_check.sh)", allow_module_level=True)
 
 import sim  # noqa: E402
+
 from qwen_npu_compile.patterns import FAMILIES, expected_fusions  # noqa: E402
 
 DRIVER = sim.HERE / "verl_npu_engine_run.py"
@@ -71,9 +72,8 @@ def runs(tmp_path_factory):
 
 def _config(family: str):
     sys.path.insert(0, str(sim.HERE.parent))
-    from tests.helpers.models import tiny_hybrid, tiny_moe
-
     from qwen_npu_compile.cli.check.models import tiny_qwen2_config
+    from tests.helpers.models import tiny_hybrid, tiny_moe
 
     if family == "qwen2":
         return tiny_qwen2_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)

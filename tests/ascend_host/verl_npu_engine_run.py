@@ -42,9 +42,8 @@ import tempfile
 import types
 from pathlib import Path
 
-import torch_npu  # noqa: F401  (the stand-in: PrivateUse1 is npu)
-
 import torch
+import torch_npu  # noqa: F401  (the stand-in: PrivateUse1 is npu)
 
 for _owner, _name in ((torch_npu.npu, "mstx"), (torch_npu, "profiler")):
     if not hasattr(_owner, _name):
@@ -69,9 +68,8 @@ class Lines(logging.Handler):
 
 
 def save(family: str, folder: str) -> None:
-    from tests.helpers.models import tiny_hybrid, tiny_moe
-
     from qwen_npu_compile.cli.check.models import tiny_qwen2
+    from tests.helpers.models import tiny_hybrid, tiny_moe
 
     if family == "qwen2":
         model = tiny_qwen2(torch.float32, hidden_size=256, intermediate_size=512, num_attention_heads=4,

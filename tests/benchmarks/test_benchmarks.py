@@ -258,10 +258,10 @@ def test_packed_rows(results):
 
 def test_packing_must_fill_one_row():
     """A packing that does not sum to S in one row is refused before anything is captured."""
+    import torch
+
     from benchmarks import traffic
     from qwen_npu_compile.cli.check.models import tiny_qwen2_config
-
-    import torch
 
     with pytest.raises(ValueError, match="must sum to S=40 in one row"):
         traffic.build_graphs(tiny_qwen2_config(), 1, traffic.PACKED_VARIANTS[:1], 1, 40, torch.bfloat16, packing=(8, 16))

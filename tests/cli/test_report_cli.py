@@ -25,11 +25,10 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-from qwen_npu_compile import cli
-from qwen_npu_compile import dump, handoff, maybe_compile
-from qwen_npu_compile.graph import emit
+from qwen_npu_compile import cli, dump, handoff, maybe_compile
 from qwen_npu_compile.cli.check.models import tiny_qwen2_config
 from qwen_npu_compile.config import ALL_FAMILIES, QwenNpuConfig
+from qwen_npu_compile.graph import emit
 from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.report import SUMMARY, GraphReport
 from qwen_npu_compile.torchair.offline import GeFailure, GeGraph, GeResults
@@ -365,8 +364,8 @@ def test_compile_id_is_read_back_from_the_graph_name(compile_id, expected):
     """The names the backend gives (report.new_graph_name, from Dynamo's own CompileId) parse back."""
     from torch._guards import CompileContext, CompileId, compile_context
 
-    from qwen_npu_compile.report import new_graph_name
     from qwen_npu_compile.cli.report import Graph
+    from qwen_npu_compile.report import new_graph_name
 
     if compile_id is None:
         name = new_graph_name()

@@ -23,8 +23,7 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
-from qwen_npu_compile import cli
-from qwen_npu_compile import maybe_compile
+from qwen_npu_compile import cli, maybe_compile
 from qwen_npu_compile.cli.check.models import tiny_qwen2_config
 from qwen_npu_compile.worker import ENV_COMPILE, layer_reports
 

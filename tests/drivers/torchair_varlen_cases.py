@@ -302,8 +302,8 @@ def ir_checks() -> dict:
     from torchair._ge_concrete_graph import ge_apis as ge
     from torchair.ge._ge_graph import GeGraph, default_ge_graph
 
-    from qwen_npu_compile.ops.qwen_npu import varlen_attention
     from qwen_npu_compile.ops.attention_contract import compressed_causal_mask
+    from qwen_npu_compile.ops.qwen_npu import varlen_attention
 
     rows = [
         [0, 1, 2, 0, 1, 0, 1, 2, 3],

@@ -53,6 +53,7 @@ MINDSPEED = os.environ.pop("VERL_ENGINE_RUN_MINDSPEED", "")
 if MINDSPEED == "before":
     import mindspeed.megatron_adaptor  # noqa: E402,F401  (replaces torch.compile with dummy_compile)
 import verl  # noqa: E402  (imports VERL_USE_EXTERNAL_MODULES)
+
 if MINDSPEED == "after":
     import mindspeed.megatron_adaptor  # noqa: E402,F401
 from verl.plugin.platform import set_platform  # noqa: E402
@@ -200,8 +201,8 @@ def run(settings: dict, model_dir: str) -> dict:
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
     from verl.workers.utils.losses import sft_loss
 
-    from qwen_npu_compile.report import SUMMARY
     from qwen_npu_compile.layers import clean_name
+    from qwen_npu_compile.report import SUMMARY
     from qwen_npu_compile.worker import layer_reports
 
     torch._dynamo.reset()

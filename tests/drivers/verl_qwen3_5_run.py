@@ -17,12 +17,19 @@ Environment: ``QWEN_NPU_COMPILE`` (1: maybe_compile the layers), ``DT`` (``bf16`
 ``chunk_gated_delta_rule`` of FLA 0.5.2's signature on every DeltaNet module, as transformers 5.10.4 binds FLA where
 it is available), ``QWEN_NPU_FUSIONS``.
 """
-import itertools, json, os, sys, time, logging
+import itertools
+import json
+import logging
+import os
+import sys
+import time
 from pathlib import Path
+
 import torch
 import transformers
-from transformers.models.qwen3_5 import modeling_qwen3_5 as M
 import verl.models.transformers.qwen3_5 as VQ
+from transformers.models.qwen3_5 import modeling_qwen3_5 as M
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests.helpers
 from tests.helpers.fla import fla_like_chunk_gated_delta_rule as fla_like_kernel
 from tests.helpers.npu_host import simulated_npu_host

@@ -18,13 +18,13 @@ import pytest
 import torch
 import transformers
 
-from tests.helpers.models import CPU_GROUPED_MM_BREAK, cpu_grouped_mm_alignment_break, tiny_hybrid, token_ids
-from tests.helpers.numerics import NEAR_TIE_MARGIN, assert_routed_parity, assert_runs_match, judge_routing
 from qwen_npu_compile import maybe_compile
 from qwen_npu_compile.cli.check.harness import fp32_reference, run_model
 from qwen_npu_compile.patterns import FAMILIES, expected_fusions
 from qwen_npu_compile.report import SUMMARY
 from qwen_npu_compile.worker import ENV_COMPILE
+from tests.helpers.models import CPU_GROUPED_MM_BREAK, cpu_grouped_mm_alignment_break, tiny_hybrid, token_ids
+from tests.helpers.numerics import NEAR_TIE_MARGIN, assert_routed_parity, assert_runs_match, judge_routing
 
 
 def _softplus_backward_differs() -> bool:

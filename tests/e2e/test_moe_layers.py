@@ -17,14 +17,14 @@ import pytest
 import torch
 import transformers
 
-from tests.helpers.models import CPU_GROUPED_MM_BREAK, cpu_grouped_mm_alignment_break, packed_row, tiny_moe
-from tests.helpers.numerics import assert_runs_match
 from qwen_npu_compile import maybe_compile
 from qwen_npu_compile.cli.check.harness import fp32_reference, run_model
-from tests.helpers.npu_host import simulated_npu_host
 from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.patterns.attention import TAKEOVER_VARIANT
 from qwen_npu_compile.worker import ENV_COMPILE
+from tests.helpers.models import CPU_GROUPED_MM_BREAK, cpu_grouped_mm_alignment_break, packed_row, tiny_moe
+from tests.helpers.npu_host import simulated_npu_host
+from tests.helpers.numerics import assert_runs_match
 
 pytestmark = [
     pytest.mark.stack_compat,

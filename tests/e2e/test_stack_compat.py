@@ -37,15 +37,15 @@ import logging
 import pytest
 import torch
 
-from tests.helpers.numerics import assert_runs_match, eager_and_reference
 from qwen_npu_compile import ALL_FAMILIES, compat, maybe_compile
-from qwen_npu_compile.graph import canonicalize
 from qwen_npu_compile.cli.check.harness import run_model
 from qwen_npu_compile.cli.check.models import tiny_qwen2, tiny_qwen2_config
-from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.cli.check.parity import relative_l2
+from qwen_npu_compile.graph import canonicalize
+from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.report import SUMMARY
 from qwen_npu_compile.worker import ENV_COMPILE, layer_reports
+from tests.helpers.numerics import assert_runs_match, eager_and_reference
 
 pytestmark = pytest.mark.stack_compat
 #: on the primary and newest stacks only (module docstring)

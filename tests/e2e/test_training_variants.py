@@ -15,12 +15,12 @@ import pytest
 import torch
 import transformers
 
-from tests.helpers.models import token_ids
-from tests.helpers.numerics import assert_runs_match, eager_and_reference
 from qwen_npu_compile.cli.check.harness import run_model
 from qwen_npu_compile.cli.check.models import tiny_qwen2
 from qwen_npu_compile.cli.check.parity import FP32_TOLERANCE, relative_l2
 from qwen_npu_compile.report import SUMMARY
+from tests.helpers.models import token_ids
+from tests.helpers.numerics import assert_runs_match, eager_and_reference
 
 ISSUE = dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, vocab_size=256)
 LAYERS = 2

@@ -19,14 +19,13 @@ import pytest
 import torch
 import transformers
 
-from tests.helpers.models import tiny_hybrid, tiny_moe
-from tests.helpers.torchair import run_ge_script
 from qwen_npu_compile import maybe_compile
 from qwen_npu_compile.config import QwenNpuConfig, QwenNpuConfigError
-from qwen_npu_compile.worker import layer_reports
 from qwen_npu_compile.handoff.recompute import cheap_ops
 from qwen_npu_compile.report import SUMMARY
-from qwen_npu_compile.worker import ENV_COMPILE
+from qwen_npu_compile.worker import ENV_COMPILE, layer_reports
+from tests.helpers.models import tiny_hybrid, tiny_moe
+from tests.helpers.torchair import run_ge_script
 
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 

@@ -23,11 +23,10 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from qwen_npu_compile import maybe_compile
-from qwen_npu_compile.integrations import torch_compiler
 from qwen_npu_compile.cli.check.models import tiny_qwen2_config
+from qwen_npu_compile.integrations import torch_compiler
 from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.worker import ENV_COMPILE, layer_reports
-
 from tests.helpers.mindspeed_stand_in import DUMMY, write_stand_in
 
 LAYERS = 2

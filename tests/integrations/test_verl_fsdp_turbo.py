@@ -18,18 +18,25 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import types
 from pathlib import Path
 
 import pytest
 import torch
+from test_verl_hook import (  # noqa: F401
+    BUILD_LINE,
+    GRAPHS_LINE,
+    PER_LAYER,
+    assert_matches,
+    fake_engine_module,
+    fake_verl,
+    needs_verl,
+    run_scenarios,
+    tiny_qwen2,
+)
 
 import qwen_npu_compile.verl as hook
 from qwen_npu_compile.worker import ENV_COMPILE, layer_reports
 from tests.helpers import REPO
-
-from test_verl_hook import (BUILD_LINE, GRAPHS_LINE, PER_LAYER, assert_matches, fake_engine_module,  # noqa: F401
-                            fake_verl, needs_verl, run_scenarios, tiny_qwen2)
 
 STAND_IN = REPO / "tests" / "stand_ins" / "fsdp_turbo"
 QWEN2 = "transformers.models.qwen2.modeling_qwen2"

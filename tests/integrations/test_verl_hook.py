@@ -36,7 +36,6 @@ from tests.helpers.mindspeed_stand_in import DUMMY, write_stand_in
 from tests.helpers.numerics import max_abs_ratio
 from tests.helpers.runs import assert_every_layer_fused
 
-
 PER_LAYER = expected_fusions(transformers.Qwen2Config(), per_layer=True)  # one Qwen2 decoder layer graph
 VERL_INSTALLED = importlib.util.find_spec("verl") is not None
 

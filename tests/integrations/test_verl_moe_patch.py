@@ -31,11 +31,11 @@ import torch
 
 pytest.importorskip("verl")
 
+from qwen_npu_compile.cli.check.harness import fp32_reference, run_model  # noqa: E402
 from tests.helpers.models import tiny_moe, token_ids  # noqa: E402
 from tests.helpers.numerics import assert_runs_match  # noqa: E402
 from tests.helpers.torchair import run_ge_script  # noqa: E402
 from tests.helpers.verl_npu_patch import verl_qwen3_moe_patched  # noqa: E402
-from qwen_npu_compile.cli.check.harness import fp32_reference, run_model  # noqa: E402
 
 LAYERS = 2
 

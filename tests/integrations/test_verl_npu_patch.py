@@ -36,18 +36,17 @@ pytest.importorskip("verl")
 
 import transformers  # noqa: E402
 
-from tests.helpers.models import tiny_hybrid, tiny_moe  # noqa: E402
-from tests.helpers.numerics import assert_runs_match  # noqa: E402
-from tests.helpers.verl_npu_patch import HISTC, NPU_PATCH, histc_any_dtype, stand_in_torch_npu  # noqa: E402
+import qwen_npu_compile.verl as hook  # noqa: E402
 from qwen_npu_compile import ensure_npu_ops, maybe_compile  # noqa: E402
 from qwen_npu_compile.cli.check.harness import fp32_reference, run_model  # noqa: E402
 from qwen_npu_compile.cli.check.models import tiny_qwen2  # noqa: E402
 from qwen_npu_compile.integrations import verl_npu_patch  # noqa: E402
-from tests.helpers.npu_host import simulated_npu_host  # noqa: E402
 from qwen_npu_compile.patterns import FAMILIES, expected_fusions  # noqa: E402
 from qwen_npu_compile.worker import ENV_COMPILE  # noqa: E402
-
-import qwen_npu_compile.verl as hook  # noqa: E402
+from tests.helpers.models import tiny_hybrid, tiny_moe  # noqa: E402
+from tests.helpers.npu_host import simulated_npu_host  # noqa: E402
+from tests.helpers.numerics import assert_runs_match  # noqa: E402
+from tests.helpers.verl_npu_patch import HISTC, NPU_PATCH, histc_any_dtype, stand_in_torch_npu  # noqa: E402
 
 ZERO = dict.fromkeys(FAMILIES, 0)
 

@@ -18,8 +18,8 @@ from transformers.models.qwen2 import modeling_qwen2
 import qwen_npu_compile
 from qwen_npu_compile import ALL_FAMILIES, maybe_compile
 from qwen_npu_compile.cli.check.models import tiny_qwen2_config
-from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.layers import clean_name, find_decoder_layers
+from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.worker import ENV_COMPILE, CompiledLayers, layer_reports
 
 LAYERS = 2

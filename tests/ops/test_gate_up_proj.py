@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from tests.helpers.graphs import aot_traced, call_targets
-from qwen_npu_compile.ops.qwen_npu import gate_up_proj
 from qwen_npu_compile.ops.limits import node_violation
+from qwen_npu_compile.ops.qwen_npu import gate_up_proj
+from tests.helpers.graphs import aot_traced, call_targets
 
 OP = gate_up_proj.OP
 aten = torch.ops.aten

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.numerics import relative_l2
 from qwen_npu_compile.ops.qwen_npu import gated_delta_rule as G
 from qwen_npu_compile.ops.qwen_npu import gated_delta_rule_kernels as K
+from tests.helpers.numerics import relative_l2
 
 modeling = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 hf_rule = modeling.torch_chunk_gated_delta_rule

@@ -48,9 +48,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.numerics import relative_l2
 from qwen_npu_compile.ops.qwen_npu import gated_delta_rule as G
 from qwen_npu_compile.ops.qwen_npu import gated_delta_rule_kernels as K
+from tests.helpers.numerics import relative_l2
 
 OP = torch.ops.qwen_npu.chunk_gated_delta_rule
 FLA_CORE = "fla-core==0.6.0"

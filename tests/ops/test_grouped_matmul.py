@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.graphs import aot_traced, call_targets
-from tests.helpers.torchair import torchair_wheel_sources
 from qwen_npu_compile.ops.qwen_npu import grouped_matmul as gmm
 from qwen_npu_compile.ops.torch_npu import grouped_matmul as npu_gmm
+from tests.helpers.graphs import aot_traced, call_targets
+from tests.helpers.torchair import torchair_wheel_sources
 
 npu = torch.ops.npu
 

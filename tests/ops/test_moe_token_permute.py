@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qwen_npu_compile.ops.torch_npu import moe_token_permute as mtp
 from tests.helpers.graphs import aot_traced, call_targets
 from tests.helpers.torchair import torchair_wheel_sources
-from qwen_npu_compile.ops.torch_npu import moe_token_permute as mtp
 
 npu = torch.ops.npu
 

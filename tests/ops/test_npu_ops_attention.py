@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tests.helpers.graphs import aot_traced, call_targets as targets
-from tests.helpers.tensors import random_qkv
 from qwen_npu_compile.ops import attention_contract
 from qwen_npu_compile.ops.torch_npu import fusion_attention
-
+from tests.helpers.graphs import aot_traced
+from tests.helpers.graphs import call_targets as targets
+from tests.helpers.tensors import random_qkv
 
 pytestmark = pytest.mark.usefixtures("simulated_npu_ops")
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from qwen_npu_compile.ops import attention_contract
-from qwen_npu_compile.ops.torch_npu import attention_blockwise, fusion_attention
 from qwen_npu_compile.ops.attention_contract import _probabilities, probability_grads, weighted_values
+from qwen_npu_compile.ops.torch_npu import attention_blockwise, fusion_attention
 
 pytestmark = pytest.mark.usefixtures("simulated_npu_ops")
 

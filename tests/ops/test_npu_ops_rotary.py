@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tests.helpers.graphs import aot_traced, call_targets as targets
-from tests.helpers.tensors import meta, rotate_half
 from qwen_npu_compile.ops.torch_npu import rotary_mul
-
+from tests.helpers.graphs import aot_traced
+from tests.helpers.graphs import call_targets as targets
+from tests.helpers.tensors import meta, rotate_half
 
 pytestmark = pytest.mark.usefixtures("simulated_npu_ops")
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.graphs import aot_traced, call_targets as targets
-from tests.helpers.tensors import rotate_half
 from qwen_npu_compile.ops.qwen_npu import rotary_mul_aten_backward
+from tests.helpers.graphs import aot_traced
+from tests.helpers.graphs import call_targets as targets
+from tests.helpers.tensors import rotate_half
 
 OP = rotary_mul_aten_backward.OP
 

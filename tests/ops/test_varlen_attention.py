@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from qwen_npu_compile.ops import limits
+from qwen_npu_compile.ops.attention_contract import compressed_causal_mask
+from qwen_npu_compile.ops.qwen_npu import varlen_attention as va
 from tests.helpers.graphs import aot_traced, call_targets
 from tests.helpers.models import packed_positions
 from tests.helpers.tensors import meta, random_qkv
-from qwen_npu_compile.ops import limits
-from qwen_npu_compile.ops.qwen_npu import varlen_attention as va
-from qwen_npu_compile.ops.attention_contract import compressed_causal_mask
 
 pytestmark = pytest.mark.usefixtures("simulated_npu_ops")
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import types
-
 import unittest.mock
 
 import pytest
@@ -11,17 +10,17 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from tests.helpers.numerics import assert_parity
-from tests.helpers.tensors import meta
+from qwen_npu_compile import backend, get_reports
 from qwen_npu_compile.cli.check.models import tiny_qwen2
 from qwen_npu_compile.cli.check.parity import FP32_TOLERANCE, relative_l2
-from qwen_npu_compile import backend, get_reports
 from qwen_npu_compile.config import QwenNpuConfig
 from qwen_npu_compile.fusion.family import CompileTarget
 from qwen_npu_compile.ops import NpuOpsStatus
-from qwen_npu_compile.patterns.attention import varlen as attention_varlen
 from qwen_npu_compile.patterns import get_family_pass
 from qwen_npu_compile.patterns.attention import check_attention
+from qwen_npu_compile.patterns.attention import varlen as attention_varlen
+from tests.helpers.numerics import assert_parity
+from tests.helpers.tensors import meta
 
 LAYERS = 2
 ATTN = {"fusions": "attention"}

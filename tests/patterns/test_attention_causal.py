@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 
-from tests.helpers.models import token_ids
-from tests.helpers.numerics import assert_parity
 from qwen_npu_compile.cli.check.models import tiny_qwen2
 from qwen_npu_compile.patterns.attention import masks as attention_mask
+from tests.helpers.models import token_ids
+from tests.helpers.numerics import assert_parity
 
 LAYERS = 2
 BATCH, SEQ = 2, 24

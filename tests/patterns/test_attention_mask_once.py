@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from tests.helpers.numerics import assert_parity
 from qwen_npu_compile.cli.check.models import tiny_qwen2
 from qwen_npu_compile.ops.limits import bound_arguments
+from tests.helpers.numerics import assert_parity
 
 LAYERS = 3
 

@@ -25,9 +25,9 @@ import types
 import pytest
 import torch
 
+from qwen_npu_compile.fusion.family import CompileTarget, RefusalRecorder, targeting
 from qwen_npu_compile.graph import canonicalize
 from qwen_npu_compile.graph.utils import trace_pattern
-from qwen_npu_compile.fusion.family import CompileTarget, RefusalRecorder, targeting
 from qwen_npu_compile.ops.limits import bound_arguments
 from qwen_npu_compile.patterns import attention
 

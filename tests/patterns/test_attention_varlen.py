@@ -15,16 +15,16 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from qwen_npu_compile import handoff
+from qwen_npu_compile.cli.check.models import tiny_qwen2, tiny_qwen2_config
+from qwen_npu_compile.handoff import fallback
+from qwen_npu_compile.ops.limits import bound_arguments
+from qwen_npu_compile.ops.qwen_npu import varlen_attention as varlen_ops
+from qwen_npu_compile.patterns import expected_fusions
+from qwen_npu_compile.patterns.attention import varlen as attention_varlen
+from qwen_npu_compile.report import SUMMARY
 from tests.helpers.models import packed_row
 from tests.helpers.numerics import assert_parity
-from qwen_npu_compile import handoff
-from qwen_npu_compile.handoff import fallback
-from qwen_npu_compile.cli.check.models import tiny_qwen2, tiny_qwen2_config
-from qwen_npu_compile.ops.qwen_npu import varlen_attention as varlen_ops
-from qwen_npu_compile.ops.limits import bound_arguments
-from qwen_npu_compile.patterns.attention import varlen as attention_varlen
-from qwen_npu_compile.patterns import expected_fusions
-from qwen_npu_compile.report import SUMMARY
 
 LAYERS = 2
 #: hidden 128 / 4 heads = head_dim 32, GQA (2 KV heads); no dim is 33, so a [.., 33, 33] tensor is a mask.

@@ -33,12 +33,12 @@ import torch
 import transformers
 from packaging.version import Version
 
-from qwen_npu_compile.graph import canonicalize
 from qwen_npu_compile.config import QwenNpuConfig
-from qwen_npu_compile.substitutions import deltanet
-from qwen_npu_compile.fusion.manager import FuseResult, fuse
 from qwen_npu_compile.fusion.family import CompileTarget
+from qwen_npu_compile.fusion.manager import FuseResult, fuse
+from qwen_npu_compile.graph import canonicalize
 from qwen_npu_compile.patterns import FAMILIES, attention, get_family_pass
+from qwen_npu_compile.substitutions import deltanet
 
 pytestmark = pytest.mark.skipif(
     Version(transformers.__version__).release < (5, 24),

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 pytest.importorskip("transformers.models.qwen3_5", reason="Qwen3.5 needs transformers >= 5")
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from tests.helpers.graphs import count_calls
-from tests.helpers.models import tiny_hybrid, tiny_hybrid_config
-from tests.helpers.numerics import assert_parity
 from qwen_npu_compile import get_reports
 from qwen_npu_compile.ops.qwen_npu import rotary_mul_aten_backward, rotary_mul_orthogonal
 from qwen_npu_compile.patterns import expected_fusions
+from tests.helpers.graphs import count_calls
+from tests.helpers.models import tiny_hybrid, tiny_hybrid_config
+from tests.helpers.numerics import assert_parity
 
 #: the cases' model -> the tiny hybrid family built for it (Qwen3-Next with MoE blocks in every layer)
 MODELS = {"qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe", "qwen3_next": "qwen3_next_moe"}

@@ -9,13 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+
 pytest.importorskip("transformers.models.qwen3_5", reason="Qwen3.5 needs transformers >= 5")
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated
 
-from tests.helpers.models import token_ids
-from tests.helpers.numerics import assert_parity
 from qwen_npu_compile import get_reports
 from qwen_npu_compile.patterns import expected_fusions
+from tests.helpers.models import token_ids
+from tests.helpers.numerics import assert_parity
 
 NORMS = {"fusions": "rms_norm_gated,rms_norm"}
 

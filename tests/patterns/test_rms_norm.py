@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
-from tests.helpers.numerics import assert_parity
 from qwen_npu_compile import get_reports
 from qwen_npu_compile.cli.check.models import tiny_qwen2
 from qwen_npu_compile.cli.check.parity import FP32_TOLERANCE, judge_parity
+from tests.helpers.numerics import assert_parity
 
 LAYERS = 2
 CORE = {"fusions": "rms_norm,swiglu"}

@@ -12,13 +12,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb, rotate_half
 
-from tests.helpers.numerics import assert_parity, assert_runs_match, eager_and_reference
+from qwen_npu_compile import get_reports
 from qwen_npu_compile.cli.check.harness import run_model
 from qwen_npu_compile.cli.check.models import tiny_qwen2
 from qwen_npu_compile.cli.check.parity import FP32_TOLERANCE, relative_l2
-from qwen_npu_compile import get_reports
 from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.patterns.rotary import check_rotary
+from tests.helpers.numerics import assert_parity, assert_runs_match, eager_and_reference
 
 LAYERS = 2
 ROTARY = {"fusions": "rotary"}

@@ -7,11 +7,11 @@ with RMSNorm: tests/patterns/test_rms_norm.py."""
 import pytest
 import torch
 
-from tests.helpers.numerics import assert_parity, assert_runs_match, eager_and_reference
 from qwen_npu_compile import get_reports
 from qwen_npu_compile.cli.check.harness import run_model
 from qwen_npu_compile.cli.check.models import tiny_qwen2
 from qwen_npu_compile.ops.qwen_npu import gate_up_proj
+from tests.helpers.numerics import assert_parity, assert_runs_match, eager_and_reference
 
 LAYERS = 2
 CORE = {"fusions": "rms_norm,swiglu"}

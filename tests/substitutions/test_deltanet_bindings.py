@@ -24,14 +24,12 @@ pytest.importorskip("transformers.models.qwen3_5", reason="Qwen3.5 needs transfo
 
 from transformers.models.qwen3_5 import modeling_qwen3_5 as M
 
-from tests.helpers.models import tiny_hybrid
-from qwen_npu_compile import maybe_compile
-from qwen_npu_compile.substitutions import deltanet
-from qwen_npu_compile import worker
-from qwen_npu_compile.worker import layer_reports
+from qwen_npu_compile import maybe_compile, worker
 from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.report import SUMMARY
-from qwen_npu_compile.worker import ENV_COMPILE
+from qwen_npu_compile.substitutions import deltanet
+from qwen_npu_compile.worker import ENV_COMPILE, layer_reports
+from tests.helpers.models import tiny_hybrid
 
 RELEASE = tuple(int(part) for part in transformers.__version__.split("+")[0].split(".")[:2])
 KERNELS = importlib.util.find_spec("kernels") is not None

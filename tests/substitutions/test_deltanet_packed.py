@@ -24,12 +24,13 @@ import transformers
 pytest.importorskip("transformers.models.qwen3_5", reason="Qwen3.5 needs transformers >= 5")
 from transformers.models.qwen3_5 import modeling_qwen3_5 as M
 
+from qwen_npu_compile.report import SUMMARY
+from qwen_npu_compile.substitutions import deltanet
+from qwen_npu_compile.substitutions import varlen_attention as varlen
+from qwen_npu_compile.worker import ENV_COMPILE
 from tests.helpers.fla import fla_like_chunk_gated_delta_rule
 from tests.helpers.models import tiny_hybrid
 from tests.helpers.numerics import max_abs_ratio, relative_l2, worst_relative_l2
-from qwen_npu_compile.substitutions import deltanet, varlen_attention as varlen
-from qwen_npu_compile.report import SUMMARY
-from qwen_npu_compile.worker import ENV_COMPILE
 
 LENGTHS = [37, 70, 20]  # crosses a 64-token chunk inside the second sequence
 OP = torch.ops.qwen_npu.chunk_gated_delta_rule.default

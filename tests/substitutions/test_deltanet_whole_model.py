@@ -18,11 +18,11 @@ import torch
 
 pytest.importorskip("transformers.models.qwen3_5", reason="Qwen3.5 needs transformers >= 5")
 
-from tests.helpers.models import tiny_hybrid
-from tests.helpers.numerics import max_abs_ratio, worst_relative_l2
-from qwen_npu_compile.substitutions import deltanet
 from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.report import SUMMARY
+from qwen_npu_compile.substitutions import deltanet
+from tests.helpers.models import tiny_hybrid
+from tests.helpers.numerics import max_abs_ratio, worst_relative_l2
 
 LENGTHS = [37, 70, 20]  # the second sequence crosses a 64-token chunk
 OP = torch.ops.qwen_npu.chunk_gated_delta_rule.default

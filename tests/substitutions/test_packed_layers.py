@@ -20,14 +20,12 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from qwen_npu_compile import maybe_compile
 from qwen_npu_compile.cli.check.harness import run_model
 from qwen_npu_compile.cli.check.models import tiny_qwen2_config
-from qwen_npu_compile.substitutions import varlen_attention as varlen
-from tests.helpers.npu_host import simulated_npu_host
 from qwen_npu_compile.ops.qwen_npu import varlen_attention
-from qwen_npu_compile.worker import ENV_COMPILE
-
 from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.patterns.attention import TAKEOVER_VARIANT
-
+from qwen_npu_compile.substitutions import varlen_attention as varlen
+from qwen_npu_compile.worker import ENV_COMPILE
+from tests.helpers.npu_host import simulated_npu_host
 from tests.helpers.numerics import assert_runs_match
 
 #: head_dim 64 (a realistic width), GQA 4/2.

@@ -23,13 +23,13 @@ import pytest
 import torch
 from transformers.models.qwen2.modeling_qwen2 import rotate_half
 
-from tests.helpers.graphs import count_calls
-from tests.helpers.numerics import assert_runs_match, eager_and_reference
+from qwen_npu_compile import get_reports
 from qwen_npu_compile.cli.check.harness import run_model
 from qwen_npu_compile.cli.check.models import tiny_qwen2
-from qwen_npu_compile import get_reports
-from qwen_npu_compile.torchair import converters as ge_converters
 from qwen_npu_compile.ops.qwen_npu import rotary_mul_aten_backward, rotary_mul_orthogonal
+from qwen_npu_compile.torchair import converters as ge_converters
+from tests.helpers.graphs import count_calls
+from tests.helpers.numerics import assert_runs_match, eager_and_reference
 
 TORCHAIR = {"downstream": "torchair"}
 ORTHOGONAL = rotary_mul_orthogonal.OP

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwen_npu_compile.cli.check.models import tiny_qwen2_config
 from qwen_npu_compile import cli
+from qwen_npu_compile.cli.check.models import tiny_qwen2_config
 from qwen_npu_compile.config import QwenNpuConfig
 from qwen_npu_compile.ops import EMITTED_OPS
 from qwen_npu_compile.torchair.offline import wheel

@@ -18,8 +18,6 @@ Importing it is irreversible for the process (the PrivateUse1 rename): run such 
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 __version__ = "2.13.0"

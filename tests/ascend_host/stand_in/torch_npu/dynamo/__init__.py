@@ -27,6 +27,7 @@ NPUGRAPH_EX_BACKEND = "npugraph_ex"
 def _import_wheel_torchair():
     """Import the wheel's torchair as the top-level package ``torchair`` (CANN modules stubbed)."""
     from qwen_npu_compile.torchair.offline.stubs import install_stubs
+
     from .._wheel import sources
 
     sources = sources()

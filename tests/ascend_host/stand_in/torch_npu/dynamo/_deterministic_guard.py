@@ -4,6 +4,7 @@ def install_npu_deterministic_level_guard() -> bool:
     import torch._guards as _guards
     from torch._dynamo.guards import get_verbose_code_parts
     from torch._dynamo.source import GlobalStateSource
+
     import torch_npu
 
     tc = _guards.TracingContext.try_get()

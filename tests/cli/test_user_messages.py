@@ -171,6 +171,25 @@ def test_check_refuses_a_training_check_without_a_target_token(extra, expected, 
     assert expected in _one_error_line(capsys)
 
 
+def test_check_refuses_dynamic_one_token_before_building(capsys, monkeypatch):
+    """``--dynamic`` with one token is a settings clash (:meth:`CheckSpec.problem`): refused before the model is
+    built or any run starts, like every other clash of flags."""
+    from qwen_npu_compile.cli.check import models
+
+    monkeypatch.setattr(models, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    argv = ["check", "qwen2.5-0.5b", *_FAST, "--mode", "infer", "--seq-len", "1", "--dynamic"]
+    assert cli.main(argv) == 2
+    assert "--dynamic needs --seq-len >= 2" in _one_error_line(capsys)
+
+
+def test_check_spec_takes_the_parsers_defaults():
+    """The spec built from parsed arguments equals the spec of the same model with the dataclass's defaults: the
+    two lists of defaults cannot drift apart."""
+    from qwen_npu_compile.cli.check.spec import CheckSpec
+
+    assert CheckSpec.from_args(cli.build_parser().parse_args(["check", "qwen2.5-0.5b"])) == CheckSpec("qwen2.5-0.5b")
+
+
 def test_check_infer_with_one_token_still_runs(capsys, tmp_path):
     folder = _tiny_folder(tmp_path / "tiny")
     assert cli.main(["check", str(folder), "--dtype", "fp32", "--mode", "infer", "--seq-len", "1"]) == 0

@@ -17,6 +17,7 @@ import torch
 from qwen_npu_compile import patterns
 from qwen_npu_compile.cli.check import memory, model_folder, models, parity
 from qwen_npu_compile.cli.check.device import check_device, describe_device, device_memory_bytes
+from qwen_npu_compile.cli.check.spec import CheckSpec
 from qwen_npu_compile.config import ALL_FAMILIES, QwenNpuConfig
 from qwen_npu_compile.integrations.torch_compiler import torch_compile
 from qwen_npu_compile.patterns import expected_fusions  # noqa: F401  (the harness's public name)
@@ -130,147 +131,44 @@ def refuse_non_finite(run, losses: list, what: str) -> None:
                          "nothing to check parity against (the model's weights give non-finite outputs)")
 
 
-def run_check(args: argparse.Namespace) -> dict:
-    """Run the check described by parsed ``args``; returns the results dict (also the JSON output).
+def run_check(args: argparse.Namespace | CheckSpec) -> dict:
+    """Run the check described by ``args`` (a :class:`~.spec.CheckSpec`, or parsed ``check`` arguments); returns the
+    results dict (also the JSON output).
+
+    Every refusal comes before anything is built: the spec's own (:meth:`~.spec.CheckSpec.problem`), the backend
+    settings (options over ``QWEN_NPU_*``), the model's config and weights, the memory estimate.
 
     Raises:
         ValueError: an unknown model, layer count or option (printed as a one-line error by main).
         MemoryError: the estimate exceeds the available memory (message suggests ``--layers``).
+        TorchairUnavailableError: ``--downstream torchair`` off-NPU without what the offline conversion needs.
     """
-    from qwen_npu_compile.backend import resolve_downstream
     from qwen_npu_compile.ops import ensure_npu_ops
-    from qwen_npu_compile.report import get_reports
 
-    dtype = DTYPES[args.dtype]
-    train = args.mode == "train"
-    autocast = getattr(args, "autocast", False)
-    checkpointing = getattr(args, "grad_checkpointing", False)
-    if autocast and dtype == torch.float32:
-        raise ValueError("--autocast needs --dtype bf16 or fp16 (the autocast dtype; the weights stay fp32)")
-    if checkpointing and not train:
-        raise ValueError("--grad-checkpointing needs --mode train")
-    if not 0 <= args.left_padding < args.seq_len:
-        raise ValueError(f"--left-padding must be >= 0 and below --seq-len {args.seq_len}, got {args.left_padding}")
-
-    device = check_device(ensure_npu_ops())  # npu where torch_npu is real and an NPU is present, else cpu
-
-    def amp():
-        """The autocast region of the eager and compiled runs (not of the fp32 reference)."""
-        return torch.autocast(device.type, dtype=dtype) if autocast else contextlib.nullcontext()
-    # Validate every backend setting (options over QWEN_NPU_* env) before building anything.
-    options = {"fusions": args.fusions, "downstream": args.downstream,
-               "dump_dir": str(args.dump_dir) if args.dump_dir is not None else None}
-    options = {key: value for key, value in options.items() if value is not None}
-    backend_config = QwenNpuConfig.from_options(options)
-    chosen_downstream = resolve_downstream(backend_config, ensure_npu_ops())
-    if chosen_downstream == "torchair" and ensure_npu_ops().simulated:
-        from qwen_npu_compile.torchair.offline.importer import missing_protobuf
-        from qwen_npu_compile.torchair.offline.wheel import TorchairUnavailableError
-
-        missing = missing_protobuf()  # before the wheel is obtained or anything is built
-        if missing is not None:
-            raise TorchairUnavailableError(missing)
-    fusions = backend_config.fusions
-    if train and args.seq_len < 2:
-        raise ValueError(f"--mode train needs --seq-len >= 2, got {args.seq_len}: the LM loss predicts each token from "
-                         "the ones before it, so 1 token leaves no target (use --mode infer for a forward-only check)")
-    if train and args.batch == 1 and args.left_padding >= args.seq_len - 1:  # only row 0 is padded
-        raise ValueError(f"--left-padding {args.left_padding} leaves no token with a target in any row (--seq-len "
-                         f"{args.seq_len}, --batch {args.batch}): the LM loss is undefined; pad less or add tokens")
-    config = model_folder.resolve_config(args.model)  # a broken folder: one line, exit 2
-    model_folder.check_weights(args.model)
-    vocab_size = getattr(args, "vocab_size", None)
-    if vocab_size is not None:
-        config = models.with_vocab_size(config, vocab_size)
-    layers = args.layers or config.num_hidden_layers
-    if layers > config.num_hidden_layers:
-        raise ValueError(f"--layers {layers} is more than {args.model} has (maximum {config.num_hidden_layers})")
-    check_memory(args.model, config, layers=layers, batch=args.batch, seq_len=args.seq_len, dtype=dtype, train=train,
-                 autocast=autocast, device=device)
-
+    spec = args if isinstance(args, CheckSpec) else CheckSpec.from_args(args)
+    if (problem := spec.problem()) is not None:
+        raise ValueError(problem)
     status = ensure_npu_ops()
+    device = check_device(status)  # npu where torch_npu is real and an NPU is present, else cpu
+    fusions, chosen_downstream = _backend_settings(spec, status)
+    config, layers = _model_config(spec)
+    check_memory(spec.model, config, layers=layers, batch=spec.batch, seq_len=spec.seq_len, dtype=DTYPES[spec.dtype],
+                 train=spec.train, autocast=spec.autocast, device=device)
+
     print(describe_device(device, status), flush=True)
-    half = dtype != torch.float32
     offline_torchair = chosen_downstream == "torchair" and status.simulated
-    stages = Stages((6 if half else 5) + (1 if offline_torchair else 0))
-    torchair_seconds = {}
-    if offline_torchair:
-        from qwen_npu_compile.torchair.offline import load_offline_torchair
-
-        stages.begin("obtaining torchair off-NPU (torch_npu wheel paired with this torch; stand-in CANN extensions)")
-        offline = load_offline_torchair()
-        torchair_seconds = {f"torchair_{key}": value for key, value in offline.sources.seconds.items()}
-        torchair_seconds["torchair_import"] = offline.import_seconds
-        stages.end(f"torch_npu {offline.torch_npu_version}, wheel {offline.sources.wheel.name}")
-    stages.begin(f"building {args.model}: {layers} layers, {args.dtype}, attn={args.attn}, mode={args.mode}")
-    with model_folder.building(args.model):
-        model, info = models.build_model(args.model, layers=layers, dtype=torch.float32 if autocast else dtype,
-                                         attn=args.attn, vocab_size=vocab_size)
-    model.to(device)
-    model.train(train)
-    if checkpointing:
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.2x: the old name is deprecated
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:  # transformers 4.57-5.10
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    weights = {"preset": "random weights", "local-random": "random weights", "local-weights": "weights loaded"}[info["source"]]
-    stages.end(f"{info['num_parameters'] / 1e6:.1f}M parameters, {weights}; npu ops {status.kind}; on {device}")
-
-    generator = torch.Generator().manual_seed(1234)
-    input_ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len), generator=generator).to(device)
-    attention_mask = left_padding_mask(input_ids, args.left_padding)
-    labels = padding_labels(input_ids, attention_mask)
-
-    # The fp32 reference runs first: its fp32 copy of the model is freed before the eager run, so the
-    # peak holds one fp32 model, not an fp32 model beside the eager run's gradients (memory.memory_plan).
-    reference = None
-    losses: list = []  # the yardstick's loss (train): a NaN or inf one leaves nothing to compare against
-    if half:
-        stages.begin("fp32 reference run of the same weights (the yardstick for half-precision parity)")
-        reference = fp32_reference(model, input_ids, train, attention_mask, labels, losses=losses)
-        stages.end()
-        refuse_non_finite(reference, losses, "fp32 reference")
-
-    stages.begin(f"eager {'forward + backward' if train else 'forward'}")
-    with amp():
-        eager = run_model(model, model, input_ids, train, attention_mask, labels, losses=losses)
-    stages.end()
-    if not half:
-        refuse_non_finite(eager, losses, "eager")
-
-    first_report = len(get_reports())
-    if args.dynamic:
-        if args.seq_len < 2:
-            raise ValueError("--dynamic needs --seq-len >= 2 (Dynamo specialises sizes 0 and 1)")
-        for tensor in {id(t): t for t in (input_ids, attention_mask, labels) if t is not None}.values():
-            torch._dynamo.mark_dynamic(tensor, 1)
-    torch._dynamo.reset()
-    # torch's own torch.compile, also where MindSpeed replaced it (a no-op there)
-    compiled = torch_compile(model, backend="qwen_npu", options=options, dynamic=None if args.dynamic else False)
-    seconds = []  # the first run compiles, the second is the steady-state timing
-    for what in (f"compiling with backend='qwen_npu' ({status.kind} npu ops"
-                 f"{', dynamic sequence length' if args.dynamic else ''}) and running it once", "compiled run again (timing)"):
-        stages.begin(what)
-        compiled_run = None  # the first run's logits and gradients go before the second run makes its own
-        start = time.perf_counter()
-        # the DeltaNet substitution is read while Dynamo traces, before the backend sees the options: set from them
-        with amp(), deltanet.switched("gated_delta_rule" in fusions):
-            compiled_run = run_model(model, compiled, input_ids, train, attention_mask, labels)
-        seconds.append(time.perf_counter() - start)
-        stages.end()
-    compile_seconds, steady_seconds = seconds
+    stages = Stages((6 if spec.half else 5) + (1 if offline_torchair else 0))
+    torchair_seconds = _load_offline_torchair(stages) if offline_torchair else {}
+    model, info = _build(spec, stages, layers, device, status)
+    inputs = _inputs(spec, model, device)
+    reference, eager = _eager_runs(spec, stages, model, inputs, device)
+    compiled_run, seconds, reports = _compiled_runs(spec, stages, model, inputs, device, fusions, status)
 
     stages.begin("comparing against eager")
-    reports = get_reports()[first_report:]
     fused = {family: sum(r.fusions.get(family, 0) for r in reports) for family in ALL_FAMILIES if family in fusions}
     already = {family: sum(r.already_fused.get(family, 0) for r in reports) for family in fused}
     expected = expected_fusions(model.config, fusions)  # model.config has the --layers built
-    backward_ops: dict[str, int] = {}
-    for report in reports:
-        for op, count in report.aot_ops.get("backward", {}).items():
-            backward_ops[op] = backward_ops.get(op, 0) + count
-        for op, count in report.aot_qwen_npu_ops.get("backward", {}).items():  # ours: "qwen_npu.<op>"
-            backward_ops[f"qwen_npu.{op}"] = backward_ops.get(f"qwen_npu.{op}", 0) + count
+    backward_ops = _backward_ops(reports)
     parity_rows = parity.judge_runs(compiled_run, eager, reference)
     missing = parity.gradient_mismatch(compiled_run, eager)
     downstream = reports[0].downstream if reports else None
@@ -287,45 +185,35 @@ def run_check(args: argparse.Namespace) -> dict:
     problems += parity.problems(parity_rows)
     ge = ge_results(reports, status)
     if ge is not None:
-        kinds = [graph["kind"] for graph in ge["graphs"]]
-        for kind in ("forward", "backward") if train else ("forward",):
-            if kind not in kinds:
-                problems.append(f"GE conversion: torchair built no {kind} graph")
-        if ge["failures"]:
-            problems.append(f"GE conversion: {len(ge['failures'])} node(s) failed to convert")
-    if train:
+        problems += _ge_problems(ge, spec.train)
+    if spec.train:
         if missing:
             problems.append(f"gradients missing or extra for {missing[:3]}")
         # the families' backward ops are aot_eager's forms: not the torchair forms a graph fused for torchair holds
         # when it falls back to aot_eager (on an Ascend host where a GE graph fails to run)
         if downstream == "aot_eager" and chosen_downstream == "aot_eager":
-            wants: dict[str, int] = {}
-            for family, count in fused.items():  # per op, summed over the families that bring it
-                for op, want in patterns.FAMILIES[family].backward_op_counts(count).items():
-                    wants[op] = wants.get(op, 0) + want
-            for op, want in wants.items():
-                if backward_ops.get(op, 0) != want:
-                    problems.append(f"AOT backward holds {backward_ops.get(op, 0)} {op}, expected {want}")
+            problems += _backward_op_problems(fused, backward_ops)
 
     result = {
         "model": info,
         "settings": {
-            "batch": args.batch, "seq_len": args.seq_len, "dtype": args.dtype, "mode": args.mode,
-            "attn": args.attn, "fusions": sorted(fusions), "downstream": downstream, "dynamic": args.dynamic,
-            "left_padding": args.left_padding, "autocast": autocast, "grad_checkpointing": checkpointing,
-            "vocab_size": model.config.vocab_size, "vocab_override": vocab_size is not None,
+            "batch": spec.batch, "seq_len": spec.seq_len, "dtype": spec.dtype, "mode": spec.mode,
+            "attn": spec.attn, "fusions": sorted(fusions), "downstream": downstream, "dynamic": spec.dynamic,
+            "left_padding": spec.left_padding, "autocast": spec.autocast, "grad_checkpointing": spec.grad_checkpointing,
+            "vocab_size": model.config.vocab_size, "vocab_override": spec.vocab_size is not None,
             "device": str(device),
         },
         "versions": run_versions(status),
         "simulated": status.simulated,
         "npu_ops": status.reason,
-        "fusions": {family: {"fused": fused[family], "already_fused": already[family], "expected": expected[family]} for family in expected},
+        "fusions": {family: {"fused": fused[family], "already_fused": already[family], "expected": expected[family]}
+                    for family in expected},
         "refused": [refusal.as_dict() for report in reports for refusal in report.refused],
         "backward_ops": backward_ops,
         "parity": {**parity_rows, "metric": parity.METRIC},
         "seconds": {
-            "first_compiled_run": compile_seconds,
-            "steady_compiled_run": steady_seconds,
+            "first_compiled_run": seconds[0],
+            "steady_compiled_run": seconds[1],
             "qwen_npu_canonicalize": sum(r.seconds.get("canonicalize", 0) for r in reports),
             "qwen_npu_fuse": sum(r.seconds.get("fuse", 0) for r in reports),
             **torchair_seconds,
@@ -339,6 +227,183 @@ def run_check(args: argparse.Namespace) -> dict:
     if ge is not None:
         result["ge"] = ge
     return result
+
+
+def _backend_settings(spec: CheckSpec, status) -> tuple[frozenset[str], str]:
+    """The enabled families and the downstream the backend will pick, validated (options over ``QWEN_NPU_*``)
+    before anything is built.
+
+    Raises:
+        ValueError: an unknown family or downstream (:meth:`QwenNpuConfig.from_options`).
+        TorchairUnavailableError: torchair off-NPU without protobuf (checked before the wheel is fetched).
+    """
+    from qwen_npu_compile.backend import resolve_downstream
+
+    backend_config = QwenNpuConfig.from_options(spec.backend_options())
+    chosen = resolve_downstream(backend_config, status)
+    if chosen == "torchair" and status.simulated:
+        from qwen_npu_compile.torchair.offline.importer import missing_protobuf
+        from qwen_npu_compile.torchair.offline.wheel import TorchairUnavailableError
+
+        missing = missing_protobuf()
+        if missing is not None:
+            raise TorchairUnavailableError(missing)
+    return backend_config.fusions, chosen
+
+
+def _model_config(spec: CheckSpec):
+    """``(config, layers)``: the model's config (``--vocab-size`` applied) and the decoder layers to build.
+
+    Raises:
+        ValueError: a broken model folder, or ``--layers`` above the model's ``num_hidden_layers``.
+    """
+    config = model_folder.resolve_config(spec.model)  # a broken folder: one line, exit 2
+    model_folder.check_weights(spec.model)
+    if spec.vocab_size is not None:
+        config = models.with_vocab_size(config, spec.vocab_size)
+    layers = spec.layers or config.num_hidden_layers
+    if layers > config.num_hidden_layers:
+        raise ValueError(f"--layers {layers} is more than {spec.model} has (maximum {config.num_hidden_layers})")
+    return config, layers
+
+
+def _load_offline_torchair(stages: Stages) -> dict[str, float]:
+    """Obtain torchair off-NPU (a progress stage); returns its ``torchair_*`` seconds for the results."""
+    from qwen_npu_compile.torchair.offline import load_offline_torchair
+
+    stages.begin("obtaining torchair off-NPU (torch_npu wheel paired with this torch; stand-in CANN extensions)")
+    offline = load_offline_torchair()
+    seconds = {f"torchair_{key}": value for key, value in offline.sources.seconds.items()}
+    seconds["torchair_import"] = offline.import_seconds
+    stages.end(f"torch_npu {offline.torch_npu_version}, wheel {offline.sources.wheel.name}")
+    return seconds
+
+
+def _build(spec: CheckSpec, stages: Stages, layers: int, device: torch.device, status):
+    """``(model, info)``: the model on ``device`` in the spec's mode (gradient checkpointing on when asked)."""
+    stages.begin(f"building {spec.model}: {layers} layers, {spec.dtype}, attn={spec.attn}, mode={spec.mode}")
+    with model_folder.building(spec.model):
+        model, info = models.build_model(spec.model, layers=layers,
+                                         dtype=torch.float32 if spec.autocast else DTYPES[spec.dtype],
+                                         attn=spec.attn, vocab_size=spec.vocab_size)
+    model.to(device)
+    model.train(spec.train)
+    if spec.grad_checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.2x: the old name is deprecated
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:  # transformers 4.57-5.10
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    weights = {"preset": "random weights", "local-random": "random weights", "local-weights": "weights loaded"}[info["source"]]
+    stages.end(f"{info['num_parameters'] / 1e6:.1f}M parameters, {weights}; npu ops {status.kind}; on {device}")
+    return model, info
+
+
+def _inputs(spec: CheckSpec, model, device: torch.device) -> dict:
+    """The step's ``input_ids`` (``[B, S]``, seeded), ``attention_mask`` (or None) and ``labels``."""
+    generator = torch.Generator().manual_seed(1234)
+    input_ids = torch.randint(0, model.config.vocab_size, (spec.batch, spec.seq_len), generator=generator).to(device)
+    attention_mask = left_padding_mask(input_ids, spec.left_padding)
+    return {"input_ids": input_ids, "attention_mask": attention_mask,
+            "labels": padding_labels(input_ids, attention_mask)}
+
+
+def _amp(spec: CheckSpec, device: torch.device):
+    """The autocast region of the eager and compiled runs (not of the fp32 reference)."""
+    return torch.autocast(device.type, dtype=DTYPES[spec.dtype]) if spec.autocast else contextlib.nullcontext()
+
+
+def _eager_runs(spec: CheckSpec, stages: Stages, model, inputs: dict, device: torch.device):
+    """``(reference, eager)``: the fp32 reference run (half precision only, else None) and the eager run.
+
+    The fp32 reference runs first: its fp32 copy of the model is freed before the eager run, so the peak holds
+    one fp32 model, not an fp32 model beside the eager run's gradients (:func:`.memory.memory_plan`).
+
+    Raises:
+        ValueError: the yardstick run (the reference, else eager) has a non-finite loss or logits.
+    """
+    steps = (inputs["input_ids"], spec.train, inputs["attention_mask"], inputs["labels"])
+    reference = None
+    losses: list = []  # the yardstick's loss (train): a NaN or inf one leaves nothing to compare against
+    if spec.half:
+        stages.begin("fp32 reference run of the same weights (the yardstick for half-precision parity)")
+        reference = fp32_reference(model, *steps, losses=losses)
+        stages.end()
+        refuse_non_finite(reference, losses, "fp32 reference")
+    stages.begin(f"eager {'forward + backward' if spec.train else 'forward'}")
+    with _amp(spec, device):
+        eager = run_model(model, model, *steps, losses=losses)
+    stages.end()
+    if not spec.half:
+        refuse_non_finite(eager, losses, "eager")
+    return reference, eager
+
+
+def _compiled_runs(spec: CheckSpec, stages: Stages, model, inputs: dict, device: torch.device, fusions, status):
+    """Compile with ``qwen_npu`` and run twice (the first run compiles, the second is the steady-state timing).
+
+    Returns:
+        ``(compiled_run, (first_seconds, steady_seconds), reports)``: the second run's ``(logits, grads)`` and the
+        graph reports of this compile.
+    """
+    from qwen_npu_compile.report import get_reports
+
+    first_report = len(get_reports())
+    if spec.dynamic:
+        for tensor in {id(t): t for t in inputs.values() if t is not None}.values():
+            torch._dynamo.mark_dynamic(tensor, 1)
+    torch._dynamo.reset()
+    # torch's own torch.compile, also where MindSpeed replaced it (a no-op there)
+    compiled = torch_compile(model, backend="qwen_npu", options=spec.backend_options(),
+                             dynamic=None if spec.dynamic else False)
+    seconds = []
+    compiled_run = None
+    for what in (f"compiling with backend='qwen_npu' ({status.kind} npu ops"
+                 f"{', dynamic sequence length' if spec.dynamic else ''}) and running it once", "compiled run again (timing)"):
+        stages.begin(what)
+        compiled_run = None  # the first run's logits and gradients go before the second run makes its own
+        start = time.perf_counter()
+        # the DeltaNet substitution is read while Dynamo traces, before the backend sees the options: set from them
+        with _amp(spec, device), deltanet.switched("gated_delta_rule" in fusions):
+            compiled_run = run_model(model, compiled, inputs["input_ids"], spec.train, inputs["attention_mask"],
+                                     inputs["labels"])
+        seconds.append(time.perf_counter() - start)
+        stages.end()
+    return compiled_run, tuple(seconds), get_reports()[first_report:]
+
+
+def _backward_ops(reports) -> dict[str, int]:
+    """Op counts of the AOT backward graphs, summed over ``reports``; this project's ops keyed ``qwen_npu.<op>``."""
+    counts: dict[str, int] = {}
+    for report in reports:
+        for op, count in report.aot_ops.get("backward", {}).items():
+            counts[op] = counts.get(op, 0) + count
+        for op, count in report.aot_qwen_npu_ops.get("backward", {}).items():
+            counts[f"qwen_npu.{op}"] = counts.get(f"qwen_npu.{op}", 0) + count
+    return counts
+
+
+def _backward_op_problems(fused: dict[str, int], backward_ops: dict[str, int]) -> list[str]:
+    """Where the AOT backward does not hold each fused family's backward ops (``FusionFamily.backward_op_counts``)
+    once per fusion, summed per op over the families that bring it."""
+    wants: dict[str, int] = {}
+    for family, count in fused.items():
+        for op, want in patterns.FAMILIES[family].backward_op_counts(count).items():
+            wants[op] = wants.get(op, 0) + want
+    return [f"AOT backward holds {backward_ops.get(op, 0)} {op}, expected {want}"
+            for op, want in wants.items() if backward_ops.get(op, 0) != want]
+
+
+def _ge_problems(ge: dict, train: bool) -> list[str]:
+    """What the off-NPU GE conversion (:func:`ge_results`) got wrong: a missing forward/backward graph, or nodes
+    that failed to convert."""
+    problems = []
+    kinds = [graph["kind"] for graph in ge["graphs"]]
+    for kind in ("forward", "backward") if train else ("forward",):
+        if kind not in kinds:
+            problems.append(f"GE conversion: torchair built no {kind} graph")
+    if ge["failures"]:
+        problems.append(f"GE conversion: {len(ge['failures'])} node(s) failed to convert")
+    return problems
 
 
 def check_memory(model: str, config, *, layers: int, batch: int, seq_len: int, dtype: torch.dtype, train: bool,

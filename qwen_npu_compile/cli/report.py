@@ -253,14 +253,7 @@ def read_dumps(folders: Sequence[str | os.PathLike]) -> Dumps:
         ReportError: a folder does not exist or is not a folder, or holds no readable report.
     """
     warnings: list[str] = []
-    per_folder: list[tuple[str, Path, list[Path]]] = []
-    for folder in folders:
-        path = Path(folder)
-        if not path.exists():
-            raise ReportError(f"no such folder: {str(folder)!r} (give the dump_dir of a run, or a rank<N> folder in it)")
-        if not path.is_dir():
-            raise ReportError(f"not a folder: {str(folder)!r} (give the dump_dir of a run, or a rank<N> folder in it)")
-        per_folder.append((str(folder), path, _find_files(path)))
+    per_folder = [(str(folder), path, _find_files(path)) for folder, path in _folders(folders)]
     total = sum(len(files) for _, _, files in per_folder)
     _progress(0, total)
 
@@ -278,28 +271,10 @@ def read_dumps(folders: Sequence[str | os.PathLike]) -> Dumps:
             done += 1
             _progress(done, total)
             data = _load(file, warnings)
-            if data is None:
+            read = _graph_entries(file, data, warnings) if data is not None else None
+            if read is None:
                 continue
-            if file.name == SUMMARY_FILE:
-                graphs = data.get("graphs")
-                if not isinstance(graphs, list):
-                    warnings.append(f"{file}: not a qwen_npu summary.json (no 'graphs' list); skipped")
-                    continue
-                root = file.parent
-                entries = []
-                for number, graph in enumerate(graphs):
-                    problem = _graph_problem(graph)
-                    if problem is None:
-                        entries.append((graph["name"], graph))
-                    else:
-                        warnings.append(f"{file}: 'graphs'[{number}] is not a graph report ({problem}); skipped")
-            else:
-                problem = _graph_problem(data)
-                if problem is not None:
-                    warnings.append(f"{file}: not a qwen_npu report.json ({problem}); skipped")
-                    continue
-                root = file.parent.parent
-                entries = [(data["name"], data)]
+            root, entries = read
             files_read += 1
             usable += 1
             key_root = root.resolve()
@@ -329,6 +304,66 @@ def read_dumps(folders: Sequence[str | os.PathLike]) -> Dumps:
     # A root's summary.json names the graphs of the process that wrote it; a report.json it does not name is
     # another run's (an earlier run left in the same dump folder, or another process that shares it): said in
     # one line per root, and not counted. Without a readable summary every report.json counts.
+    others = _drop_other_runs(from_report, named, root_label, warnings)
+    merged = {**from_summary, **from_report}
+    order = {root: i for i, root in enumerate(root_order)}
+
+    def sort_key(item):
+        (root, name), graph = item
+        index = graph.compile_id["index"]
+        return order[root], index if index is not None else 1 << 62, name
+
+    graphs = [graph for _, graph in sorted(merged.items(), key=sort_key)]
+    roots = [_root_row(root, root_label[root], summaries.get(root), merged, len(others.get(root, [])))
+             for root in root_order]
+    return Dumps(graphs=graphs, roots=roots, files_read=files_read, warnings=warnings)
+
+
+def _folders(folders: Sequence[str | os.PathLike]) -> list[tuple[str | os.PathLike, Path]]:
+    """``(as given, path)`` of each folder argument.
+
+    Raises:
+        ReportError: one does not exist or is not a folder.
+    """
+    checked = []
+    for folder in folders:
+        path = Path(folder)
+        if not path.exists():
+            raise ReportError(f"no such folder: {str(folder)!r} (give the dump_dir of a run, or a rank<N> folder in it)")
+        if not path.is_dir():
+            raise ReportError(f"not a folder: {str(folder)!r} (give the dump_dir of a run, or a rank<N> folder in it)")
+        checked.append((folder, path))
+    return checked
+
+
+def _graph_entries(file: Path, data: dict, warnings: list[str]) -> tuple[Path, list[tuple[str, dict]]] | None:
+    """``(dump root, [(graph name, graph report)])`` of one parsed file: a ``summary.json`` (root: its folder; every
+    well-formed entry of its ``graphs``) or a ``report.json`` (root: the folder above its graph folder). None, with a
+    warning, when the file is neither; a malformed summary entry is skipped with a warning of its own."""
+    if file.name == SUMMARY_FILE:
+        graphs = data.get("graphs")
+        if not isinstance(graphs, list):
+            warnings.append(f"{file}: not a qwen_npu summary.json (no 'graphs' list); skipped")
+            return None
+        entries = []
+        for number, graph in enumerate(graphs):
+            problem = _graph_problem(graph)
+            if problem is None:
+                entries.append((graph["name"], graph))
+            else:
+                warnings.append(f"{file}: 'graphs'[{number}] is not a graph report ({problem}); skipped")
+        return file.parent, entries
+    problem = _graph_problem(data)
+    if problem is not None:
+        warnings.append(f"{file}: not a qwen_npu report.json ({problem}); skipped")
+        return None
+    return file.parent.parent, [(data["name"], data)]
+
+
+def _drop_other_runs(from_report: dict[tuple[Path, str], Graph], named: dict[Path, set[str]],
+                     root_label: dict[Path, str], warnings: list[str]) -> dict[Path, list[str]]:
+    """Remove from ``from_report`` the graphs a root's ``summary.json`` does not name (``named``); one warning per
+    root. Returns the removed names per root, in natural order."""
     others: dict[Path, list[str]] = {}
     for root, name in list(from_report):
         if root in named and name not in named[root]:
@@ -340,30 +375,25 @@ def read_dumps(folders: Sequence[str | os.PathLike]) -> Dumps:
         warnings.append(f"{root_label[root]}: {len(names)} graph folder(s) its {SUMMARY_FILE} does not name "
                         f"({shown_names}): graphs of another run in the same dump folder, not counted (start each "
                         f"run with an empty dump_dir)")
+    return others
 
-    merged = {**from_summary, **from_report}
-    order = {root: i for i, root in enumerate(root_order)}
 
-    def sort_key(item):
-        (root, name), graph = item
-        index = graph.compile_id["index"]
-        return order[root], index if index is not None else 1 << 62, name
-
-    graphs = [graph for _, graph in sorted(merged.items(), key=sort_key)]
-    roots = []
-    for root in root_order:
-        summary = summaries.get(root, {})
-        rank = _RANK.match(root.name)
-        roots.append({
-            "dump": root_label[root],
-            "rank": int(rank.group(1)) if rank else None,
-            "summary": root in summaries,
-            "graphs": sum(1 for (r, _) in merged if r == root),
-            "other_runs": len(others.get(root, [])),
-            "simulated": summary.get("simulated", any(g.data.get("simulated") for (r, _), g in merged.items() if r == root)),
-            "versions": summary.get("versions") if isinstance(summary.get("versions"), dict) else {},
-        })
-    return Dumps(graphs=graphs, roots=roots, files_read=files_read, warnings=warnings)
+def _root_row(root: Path, label: str, summary: dict | None, merged: dict[tuple[Path, str], Graph],
+              other_runs: int) -> dict:
+    """One entry of :attr:`Dumps.roots`: where the dump root is shown, its rank, whether it had a summary, its graph
+    count, the graphs of other runs left out, simulated, versions."""
+    rank = _RANK.match(root.name)
+    mine = [graph for (r, _), graph in merged.items() if r == root]
+    found = summary or {}
+    return {
+        "dump": label,
+        "rank": int(rank.group(1)) if rank else None,
+        "summary": summary is not None,
+        "graphs": len(mine),
+        "other_runs": other_runs,
+        "simulated": found.get("simulated", any(g.data.get("simulated") for g in mine)),
+        "versions": found.get("versions") if isinstance(found.get("versions"), dict) else {},
+    }
 
 
 def _family_order(graphs: Iterable[Graph]) -> list[str]:
@@ -413,27 +443,13 @@ def build_report(dumps: Dumps) -> dict:
     }
     by_source: dict[str, dict[tuple, dict]] = defaultdict(dict)
     ge_by_source: dict[str, dict[tuple, dict]] = defaultdict(dict)
-    sites: dict[tuple, dict] = {}
     why: list[str] = []
     for graph in graphs:
-        cid = graph.compile_id
         refusals = graph.refusals()
         missed = graph.missed()
         failures = graph.ge_failures()
-        ge = graph.data.get("ge") if isinstance(graph.data.get("ge"), dict) else None
-        fallbacks = graph.data.get("downstream_fallbacks") or []  # a list (_graph_problem)
         where = f"{graph.dump}/{graph.name}"
-        rows.append({
-            "dump": graph.dump, "rank": graph.rank, "name": graph.name, "compile_id": cid["id"],
-            "frame": cid["frame"], "frame_compile": cid["compile"], "compiled_autograd": cid["compiled_autograd"],
-            "downstream": graph.data.get("downstream"), "families": graph.families,
-            "fusions": _counts(graph.data.get("fusions")), "already_fused": _counts(graph.data.get("already_fused")),
-            "anchors": _counts(graph.data.get("anchors")), "missed": missed, "refused": len(refusals),
-            "ge_failures": len(failures),
-            "ge_graphs": len(ge["graphs"]) if ge and isinstance(ge.get("graphs"), list) else 0,
-            "fallback": graph.data.get("fallback"), "fallback_stage": graph.data.get("fallback_stage"),
-            "downstream_fallbacks": len(fallbacks) if isinstance(fallbacks, list) else 0, "file": graph.file,
-        })
+        rows.append(_graph_row(graph, refusals, missed, failures))
         totals["fusions"].update(rows[-1]["fusions"])
         totals["already_fused"].update(rows[-1]["already_fused"])
         totals["missed"].update(missed)
@@ -448,35 +464,11 @@ def build_report(dumps: Dumps) -> dict:
             why.append(f"{where}: compiled unfused ({graph.data.get('fallback_stage') or 'a'} stage failed): "
                        f"{graph.data.get('fallback')}")
         for refusal in refusals:
-            key = (refusal["family"], refusal["enabled"], refusal["reason"])
-            group = by_source[refusal["source"]].setdefault(key, {
-                "family": refusal["family"], "enabled": refusal["enabled"], "reason": refusal["reason"],
-                "count": 0, "graphs": []})
-            group["count"] += 1
-            if where not in group["graphs"]:
-                group["graphs"].append(where)
+            _count_in_group(by_source[refusal["source"]], where, family=refusal["family"], enabled=refusal["enabled"],
+                            reason=refusal["reason"])
         for failure in failures:
-            key = (str(failure.get("op")), str(failure.get("kind", "converter")), str(failure.get("error")))
-            group = ge_by_source[str(failure.get("source", "<unknown>"))].setdefault(key, {
-                "op": key[0], "kind": key[1], "error": key[2], "count": 0, "graphs": []})
-            group["count"] += 1
-            if where not in group["graphs"]:
-                group["graphs"].append(where)
-        site_key = (graph.dump, cid["compiled_autograd"], cid["frame"], cid["id"] if cid["frame"] is None else None)
-        site = sites.setdefault(site_key, {
-            "dump": graph.dump, "rank": graph.rank,
-            "frame": cid["frame"] if cid["frame"] is not None else (cid["id"] or "?"),
-            "compiled_autograd": cid["compiled_autograd"], "graphs": 0, "_compiles": set(), "names": []})
-        site["graphs"] += 1
-        site["names"].append(graph.name)
-        if cid["compile"] is not None:
-            site["_compiles"].add(cid["compile"])
-    call_sites = []
-    for site in sites.values():
-        compiles = site.pop("_compiles")
-        site["compiles"] = len(compiles)
-        site["recompiles"] = max(compiles) if compiles else 0
-        call_sites.append(site)
+            _count_in_group(ge_by_source[str(failure.get("source", "<unknown>"))], where, op=str(failure.get("op")),
+                            kind=str(failure.get("kind", "converter")), error=str(failure.get("error")))
 
     def grouped(table: dict[str, dict[tuple, dict]], inner: str) -> list[dict]:
         out = [{"source": source, "count": sum(g["count"] for g in groups.values()),
@@ -496,8 +488,56 @@ def build_report(dumps: Dumps) -> dict:
         "totals": {key: dict(value) if isinstance(value, Counter) else value for key, value in totals.items()},
         "refusals": grouped(by_source, "reasons"),
         "ge_failures": grouped(ge_by_source, "failures"),
-        "call_sites": call_sites,
+        "call_sites": _call_sites(graphs),
     }
+
+
+def _graph_row(graph: Graph, refusals: list[dict], missed: dict[str, int], failures: list[dict]) -> dict:
+    """One entry of the report's ``graphs`` (keys: :func:`build_report`)."""
+    cid = graph.compile_id
+    ge = graph.data.get("ge") if isinstance(graph.data.get("ge"), dict) else None
+    fallbacks = graph.data.get("downstream_fallbacks") or []  # a list (_graph_problem)
+    return {
+        "dump": graph.dump, "rank": graph.rank, "name": graph.name, "compile_id": cid["id"],
+        "frame": cid["frame"], "frame_compile": cid["compile"], "compiled_autograd": cid["compiled_autograd"],
+        "downstream": graph.data.get("downstream"), "families": graph.families,
+        "fusions": _counts(graph.data.get("fusions")), "already_fused": _counts(graph.data.get("already_fused")),
+        "anchors": _counts(graph.data.get("anchors")), "missed": missed, "refused": len(refusals),
+        "ge_failures": len(failures),
+        "ge_graphs": len(ge["graphs"]) if ge and isinstance(ge.get("graphs"), list) else 0,
+        "fallback": graph.data.get("fallback"), "fallback_stage": graph.data.get("fallback_stage"),
+        "downstream_fallbacks": len(fallbacks) if isinstance(fallbacks, list) else 0, "file": graph.file,
+    }
+
+
+def _count_in_group(groups: dict[tuple, dict], where: str, **fields) -> None:
+    """Count one refusal or GE failure (``fields``, its identity within a source line) seen in graph ``where``."""
+    group = groups.setdefault(tuple(fields.values()), {**fields, "count": 0, "graphs": []})
+    group["count"] += 1
+    if where not in group["graphs"]:
+        group["graphs"].append(where)
+
+
+def _call_sites(graphs: Sequence[Graph]) -> list[dict]:
+    """The report's ``call_sites``: graphs grouped per dump root and Dynamo frame (one site per graph where the
+    compile id names no frame), in order of first appearance (keys: :func:`build_report`)."""
+    sites: dict[tuple, dict] = {}
+    for graph in graphs:
+        cid = graph.compile_id
+        key = (graph.dump, cid["compiled_autograd"], cid["frame"], cid["id"] if cid["frame"] is None else None)
+        site = sites.setdefault(key, {
+            "dump": graph.dump, "rank": graph.rank,
+            "frame": cid["frame"] if cid["frame"] is not None else (cid["id"] or "?"),
+            "compiled_autograd": cid["compiled_autograd"], "graphs": 0, "_compiles": set(), "names": []})
+        site["graphs"] += 1
+        site["names"].append(graph.name)
+        if cid["compile"] is not None:
+            site["_compiles"].add(cid["compile"])
+    for site in sites.values():
+        compiles = site.pop("_compiles")
+        site["compiles"] = len(compiles)
+        site["recompiles"] = max(compiles) if compiles else 0
+    return list(sites.values())
 
 
 def exit_status(report: dict) -> int:

@@ -26,11 +26,15 @@ def cpu_grouped_mm_alignment_break() -> bool:
     here: transformers 5.10.4 does on torch <= 2.10 (grouped_mm's 16-byte alignment before torch 2.11), a graph
     break per MoE block that exists on a CPU only (the condition starts with ``weight.device.type == "cpu"``;
     on an NPU it short-circuits) and only for bf16 (other dtypes return earlier under Dynamo)."""
+    import importlib
     import inspect
 
-    from transformers.integrations import moe
     from transformers.utils.import_utils import is_torch_less_or_equal
 
+    try:
+        moe = importlib.import_module("transformers.integrations.moe")
+    except ImportError:  # transformers 4.x: MoE experts are a per-expert loop, no grouped_mm
+        return False
     probe = getattr(moe, "_can_use_grouped_mm", None)
     return probe is not None and "data_ptr()" in inspect.getsource(probe) and is_torch_less_or_equal("2.10.0", accept_dev=True)
 

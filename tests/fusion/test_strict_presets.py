@@ -17,6 +17,7 @@ import transformers
 
 from qwen_npu_compile import ALL_FAMILIES
 from qwen_npu_compile.cli.check import models, presets
+from qwen_npu_compile.cli.check.model_types import HYBRID_MODEL_TYPES
 from qwen_npu_compile.patterns import expected_fusions
 from qwen_npu_compile.report import SUMMARY
 from tests.helpers.numerics import assert_parity
@@ -25,10 +26,6 @@ LAYERS = 2
 #: Family fields a tiny version keeps from its preset (everything else is made small).
 KEPT = ("model_type", "tie_word_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
         "sliding_window", "use_sliding_window", "attention_bias", "mlp_bias", "hidden_act")
-
-
-#: Qwen3.5 / Qwen3-Next model types: strict on them is tested on real-width tiny models of their own
-HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 
 
 def tiny_version(name: str):

@@ -356,7 +356,6 @@ def _compiled_runs(spec: CheckSpec, stages: Stages, model, inputs: dict, device:
     compiled = torch_compile(model, backend="qwen_npu", options=spec.backend_options(),
                              dynamic=None if spec.dynamic else False)
     seconds = []
-    compiled_run = None
     for what in (f"compiling with backend='qwen_npu' ({status.kind} npu ops"
                  f"{', dynamic sequence length' if spec.dynamic else ''}) and running it once", "compiled run again (timing)"):
         stages.begin(what)

@@ -10,9 +10,10 @@ unless it also holds weights (``*.safetensors`` or ``pytorch_model.bin``), which
 multimodal Qwen3.5 directory (``model_type`` qwen3_5 / qwen3_5_moe, a ``text_config``) builds its text model
 (``Qwen3_5(Moe)ForCausalLM``; :func:`_text_config_data`).
 
-The memory estimate (:func:`~qwen_npu_compile.cli.check.memory.estimate_memory_bytes`, from :mod:`.memory`) lets the caller refuse a run that would
-not fit (:func:`~qwen_npu_compile.cli.check.memory.available_memory_bytes`). The families by ``model_type`` are :mod:`.model_types`'; both modules'
-names are importable from here.
+The memory estimate that lets the caller refuse a run that would not fit is :mod:`.memory`'s
+(:func:`~qwen_npu_compile.cli.check.memory.estimate_memory_bytes`,
+:func:`~qwen_npu_compile.cli.check.memory.available_memory_bytes`); the families by ``model_type`` are
+:mod:`.model_types`'.
 
 :data:`TINY_QWEN2`, :func:`tiny_qwen2_config` and :func:`tiny_qwen2` are the one tiny Qwen2 of the tests,
 examples and quick benchmarks (transformers' real modeling code, random weights, CPU-sized).
